@@ -1,0 +1,256 @@
+"""Balanced spherical K-means with an exact capacity-constrained assignment step.
+
+Assignment problem (a transportation problem): given costs c[p, k] (cosine distance
+of point p to centroid k) and capacities cap[k] with sum(cap) >= N, choose
+x[p, k] in {0, 1} with sum_k x[p, k] = 1 and sum_p x[p, k] <= cap[k], minimising
+sum c[p, k] x[p, k]. Its constraint matrix is totally unimodular, so the LP
+relaxation has an integral optimum; LP duality gives a cheap optimality
+certificate: prices lambda[k] >= 0 such that every point sits at a cluster that
+minimises c[p, k] + lambda[k], no cluster exceeds its capacity, and every cluster
+with lambda[k] > 0 is exactly full. Any (x, lambda) passing that check is optimal.
+
+``balanced_assignment`` finds such prices with a price-raising (auction-like)
+method: each round, every over-full cluster raises its price to just past the
+margin of its cap[k]-th most attached point, so exactly cap[k] points keep
+preferring it. Prices only rise, and a cluster with a positive price never holds
+fewer than cap[k] points, so when no cluster is over-full the certificate holds.
+The result is verified by the certificate. When the search cannot certify (an
+exact tie at a capacity boundary, e.g. duplicate points, or a slow "price war"
+past ``max_rounds``), the transportation LP is solved exactly with HiGHS dual
+simplex (``scipy.optimize.linprog``) by column generation: a sparse LP over each
+point's few cheapest clusters (under the search's prices), extended with every
+pair its duals price as improving, until none is. Simplex vertices of a totally
+unimodular system are integral, and the final answer again passes the
+certificate. Nothing N x N is ever built (at most N*K variables, N+K rows).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy import sparse
+from scipy.optimize import linprog
+from sklearn.base import BaseEstimator, ClusterMixin, TransformerMixin
+from sklearn.cluster import kmeans_plusplus
+from sklearn.utils.validation import check_is_fitted
+
+from .signature import l2_normalize
+
+_TOL = 1e-9
+
+
+def _capacities(capacity: int | np.ndarray, n_points: int, n_clusters: int) -> np.ndarray:
+    cap = np.broadcast_to(np.asarray(capacity, dtype=np.int64), (n_clusters,)).copy()
+    if cap.min() < 0 or cap.sum() < n_points:
+        raise ValueError(f"capacities {cap.tolist()} cannot hold {n_points} points")
+    return cap
+
+
+def is_optimal_assignment(cost: np.ndarray, labels: np.ndarray, prices: np.ndarray, capacity) -> bool:
+    """LP-duality certificate for a capacity-constrained assignment (see module doc)."""
+    n, k = cost.shape
+    cap = _capacities(capacity, n, k)
+    counts = np.bincount(labels, minlength=k)
+    if (counts > cap).any() or (prices < 0).any():
+        return False
+    if ((prices > 0) & (counts != cap)).any():
+        return False
+    reduced = cost + prices
+    chosen = reduced[np.arange(n), labels]
+    return bool((chosen <= reduced.min(axis=1) + _TOL * (1.0 + np.abs(chosen))).all())
+
+
+def _assign_by_prices(cost: np.ndarray, cap: np.ndarray, max_rounds: int) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Price search from zero prices; returns (labels, prices, certified_candidate).
+
+    Each round every over-full cluster raises its price to the midpoint between the
+    margins of its cap[k]-th and (cap[k]+1)-th most attached members, so exactly
+    cap[k] keep preferring it. A cluster with a positive price then never holds
+    fewer than cap[k] points, so when none is over-full the certificate holds.
+    Gives up (False) on an exact tie at a boundary or after ``max_rounds``
+    (price wars among dense clusters); the prices are still a good LP hint.
+    """
+    n, k = cost.shape
+    prices = np.zeros(k)
+    for _ in range(max_rounds):
+        reduced = cost + prices
+        labels = reduced.argmin(axis=1)
+        over = np.flatnonzero(np.bincount(labels, minlength=k) > cap)
+        if over.size == 0:
+            return labels, prices, True
+        for c in over:
+            rows = reduced[labels == c]
+            own = rows[:, c].copy()
+            rows[:, c] = np.inf
+            margins = np.sort(rows.min(axis=1) - own)[::-1]  # how strongly each member prefers c
+            keep = int(cap[c])
+            if keep == 0:
+                prices[c] += margins[0] + 1.0
+            elif margins[keep - 1] <= margins[keep]:
+                return labels, prices, False  # exact tie at the capacity boundary: let the LP decide
+            else:
+                prices[c] += 0.5 * (margins[keep - 1] + margins[keep])
+    return labels, prices, False
+
+
+def _assign_by_lp(
+    cost: np.ndarray, cap: np.ndarray, hint: np.ndarray | None = None, n_candidates: int = 4
+) -> tuple[np.ndarray, np.ndarray]:
+    """Exact transportation LP (HiGHS dual simplex) by column generation.
+
+    Starts with each point's ``n_candidates`` cheapest clusters under the price
+    ``hint``; solves that sparse LP; its duals price every left-out (point, cluster)
+    pair, and violated pairs are added until none is (then the restricted optimum
+    is optimal for the full problem). With ``hint=None`` and n_candidates >= K this
+    is the plain dense LP. Vertex solutions are integral (total unimodularity).
+    """
+    n, k = cost.shape
+    m = min(k, max(1, n_candidates))
+    guide = cost if hint is None else cost + hint
+    cand = np.argpartition(guide, m - 1, axis=1)[:, :m] if m < k else np.tile(np.arange(k), (n, 1))
+    mask = np.zeros((n, k), dtype=bool)
+    mask[np.arange(n)[:, None], cand] = True
+    for _ in range(50):
+        rows, cols = np.nonzero(mask)
+        nv = rows.size
+        a_eq = sparse.csr_matrix((np.ones(nv), (rows, np.arange(nv))), shape=(n, nv))
+        a_ub = sparse.csr_matrix((np.ones(nv), (cols, np.arange(nv))), shape=(k, nv))
+        res = linprog(cost[rows, cols], A_ub=a_ub, b_ub=cap, A_eq=a_eq, b_eq=np.ones(n),
+                      bounds=(0, None), method="highs-ds")
+        if res.status == 2:  # restricted problem infeasible: widen every point's candidates
+            m = min(k, 2 * m)
+            mask[np.arange(n)[:, None], np.argpartition(guide, m - 1, axis=1)[:, :m] if m < k else np.arange(k)] = True
+            continue
+        if res.status != 0:
+            raise RuntimeError(f"balanced assignment LP failed: {res.message}")
+        if not np.allclose(res.x[res.x > 1e-9], 1.0, atol=1e-6):
+            raise RuntimeError("balanced assignment LP returned a fractional solution")
+        labels = np.empty(n, dtype=np.int64)
+        chosen = res.x > 0.5
+        labels[rows[chosen]] = cols[chosen]
+        prices = np.maximum(-np.asarray(res.ineqlin.marginals), 0.0)
+        reduced = cost + prices
+        violated = reduced < reduced[np.arange(n), labels][:, None] - _TOL
+        if not violated.any():
+            return labels, prices
+        mask |= violated
+    raise RuntimeError("balanced assignment LP column generation did not converge")
+
+
+def balanced_assignment(
+    cost: np.ndarray, capacity: int | np.ndarray, method: str = "auto", max_rounds: int = 300
+) -> np.ndarray:
+    """Exact min-cost assignment of N points to K clusters with at most capacity[k] each.
+
+    ``method``: "auto" (price search, then the sparse LP if it cannot certify),
+    "prices" (price search only; raises if it cannot certify), or "lp" (dense LP).
+    Returns labels [N].
+    """
+    return _balanced_assignment(cost, capacity, method, max_rounds)[0]
+
+
+def _balanced_assignment(
+    cost: np.ndarray, capacity, method: str = "auto", max_rounds: int = 300, hint: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    cost = np.asarray(cost, dtype=np.float64)
+    n, k = cost.shape
+    cap = _capacities(capacity, n, k)
+    if method in ("auto", "prices"):
+        labels, prices, ok = _assign_by_prices(cost, cap, max_rounds)
+        if ok and is_optimal_assignment(cost, labels, prices, cap):
+            return labels, prices
+        if method == "prices":
+            raise RuntimeError("price search could not certify an optimal assignment")
+        hint = prices if hint is None else hint
+    elif method == "lp":
+        return _assign_by_lp(cost, cap, None, k)
+    else:
+        raise ValueError(f"unknown method {method!r}")
+    labels, prices = _assign_by_lp(cost, cap, hint)
+    if not is_optimal_assignment(cost, labels, prices, cap):
+        raise RuntimeError("balanced assignment failed its optimality certificate")
+    return labels, prices
+
+
+class BalancedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
+    """Spherical K-means where every cluster holds at most ceil(N / K) points.
+
+    Rows are L2-normalised; the distance is cosine distance ``1 - <x, c>``;
+    centroids are unit vectors (normalised member means). Seeds come from
+    ``sklearn.cluster.kmeans_plusplus``; each assignment step is solved exactly by
+    ``balanced_assignment``. ``labels_`` is the balanced assignment of the
+    training points; ``predict`` (new points) is the nearest centroid, unconstrained.
+    """
+
+    def __init__(
+        self,
+        n_clusters: int = 8,
+        n_init: int = 3,
+        max_iter: int = 50,
+        tol: float = 1e-6,
+        random_state: int | None = None,
+        assignment: str = "auto",
+    ):
+        self.n_clusters = n_clusters
+        self.n_init = n_init
+        self.max_iter = max_iter
+        self.tol = tol
+        self.random_state = random_state
+        self.assignment = assignment
+
+    def fit(self, X: np.ndarray, y=None) -> "BalancedKMeans":
+        X = l2_normalize(np.asarray(X))
+        n, k = X.shape[0], self.n_clusters
+        if not 1 <= k <= n:
+            raise ValueError(f"n_clusters={k} must be in [1, {n}] (number of points)")
+        self.capacity_ = math.ceil(n / k)
+        rng = np.random.default_rng(self.random_state)
+        best = None
+        for _ in range(max(1, self.n_init)):
+            run = self._single_run(X, int(rng.integers(2**31 - 1)))
+            if best is None or run[2] < best[2]:
+                best = run
+        self.cluster_centers_, self.labels_, self.inertia_, self.n_iter_ = best
+        return self
+
+    def _single_run(self, X: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray, float, int]:
+        n, k = X.shape[0], self.n_clusters
+        centers, _ = kmeans_plusplus(X, k, random_state=seed)
+        centers = l2_normalize(centers)
+        labels = np.full(n, -1)
+        prices = None
+        inertia = np.inf
+        n_iter = 0
+        for n_iter in range(1, self.max_iter + 1):
+            cost = 1.0 - (X @ centers.T).astype(np.float64)
+            new_labels, prices = _balanced_assignment(cost, self.capacity_, self.assignment, hint=prices)
+            new_inertia = float(cost[np.arange(n), new_labels].sum())
+            converged = np.array_equal(new_labels, labels) or inertia - new_inertia <= self.tol * n
+            labels, inertia = new_labels, new_inertia
+            centers = self._centers(X, labels, cost)
+            if converged:
+                break
+        return centers, labels, inertia, n_iter
+
+    def _centers(self, X: np.ndarray, labels: np.ndarray, cost: np.ndarray) -> np.ndarray:
+        k = self.n_clusters
+        onehot = sparse.csr_matrix((np.ones(len(labels), dtype=np.float32), (labels, np.arange(len(labels)))), shape=(k, len(labels)))
+        centers = np.asarray(onehot @ X, dtype=np.float32)
+        empty = np.flatnonzero(np.bincount(labels, minlength=k) == 0)
+        if empty.size:  # reseed empty clusters at the worst-served points
+            worst = np.argsort(cost[np.arange(len(labels)), labels])[::-1][: empty.size]
+            centers[empty] = X[worst]
+        return l2_normalize(centers)
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        check_is_fitted(self, "cluster_centers_")
+        return (l2_normalize(np.asarray(X)) @ self.cluster_centers_.T).argmax(axis=1)
+
+    def transform(self, X: np.ndarray) -> np.ndarray:
+        """Cosine distance of each row to each centroid, [N, K]."""
+        check_is_fitted(self, "cluster_centers_")
+        return 1.0 - l2_normalize(np.asarray(X)) @ self.cluster_centers_.T
+
+    def fit_predict(self, X: np.ndarray, y=None) -> np.ndarray:
+        return self.fit(X).labels_

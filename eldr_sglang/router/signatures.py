@@ -1,0 +1,175 @@
+"""Signature messages from prefill servers: validation, the rendezvous board, encoding.
+
+Message contract (engine plugin -> router, ``POST /eldr/signature``; a list of
+messages is accepted too)::
+
+    {"bootstrap_room": int, "rid": str, "prompt_tokens": int, "cached_tokens": int,
+     "layers": [int] * n_sel, "counts": [[int] * E] * n_sel}
+
+Only ``bootstrap_room``, ``layers`` and ``counts`` are required. The router turns
+counts into the unit signature vector with the calibration artifact, so a new
+artifact with the same layers needs no engine restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+MAX_ROOM = 2**64
+
+
+class SignatureError(ValueError):
+    """A message that cannot be turned into a signature; ``reason`` is a metric label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def parse_message(obj: Any) -> dict:
+    """Validate one signature message; raises ValueError with a readable reason."""
+    if not isinstance(obj, dict):
+        raise ValueError("signature message must be a JSON object")
+    room = obj.get("bootstrap_room")
+    if not _is_int(room) or not 0 <= room < MAX_ROOM:
+        raise ValueError("bootstrap_room must be a non-negative 64-bit integer")
+    layers = obj.get("layers")
+    if not isinstance(layers, list) or not all(_is_int(x) for x in layers):
+        raise ValueError("layers must be a list of integers")
+    counts = obj.get("counts")
+    if not isinstance(counts, list) or len(counts) != len(layers):
+        raise ValueError("counts must be a list with one row per layer")
+    width = None
+    for row in counts:
+        if not isinstance(row, list) or not all(isinstance(v, (int, float)) for v in row):
+            raise ValueError("counts rows must be lists of numbers")
+        if width is None:
+            width = len(row)
+        elif len(row) != width:
+            raise ValueError("counts rows must have equal length")
+    for key in ("prompt_tokens", "cached_tokens"):
+        if key in obj and obj[key] is not None and not _is_int(obj[key]):
+            raise ValueError(f"{key} must be an integer")
+    if "rid" in obj and obj["rid"] is not None and not isinstance(obj["rid"], str):
+        raise ValueError("rid must be a string")
+    return obj
+
+
+class SignatureBoard:
+    """Rendezvous of requests (waiting by bootstrap room) and signature messages.
+
+    A message whose room has a waiter resolves it; otherwise it is buffered for
+    ``ttl`` seconds (at most ``max_buffered`` rooms, oldest dropped first) so a
+    waiter registered later still gets it.
+    """
+
+    def __init__(self, ttl: float = 30.0, max_buffered: int = 100_000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl = ttl
+        self.max_buffered = max_buffered
+        self.clock = clock
+        self.waiters: dict[int, asyncio.Future] = {}
+        self.buffer: "OrderedDict[int, tuple[float, dict]]" = OrderedDict()
+        self.expired = 0
+
+    def _sweep(self) -> None:
+        now = self.clock()
+        while self.buffer:
+            room, (t, _) = next(iter(self.buffer.items()))
+            if now - t < self.ttl and len(self.buffer) <= self.max_buffered:
+                break
+            self.buffer.popitem(last=False)
+            self.expired += 1
+
+    def expect(self, room: int) -> asyncio.Future:
+        """Register interest in ``room``; the future resolves to the message."""
+        self._sweep()
+        fut = asyncio.get_running_loop().create_future()
+        early = self.buffer.pop(room, None)
+        if early is not None:
+            fut.set_result(early[1])
+        self.waiters[room] = fut
+        return fut
+
+    def post(self, msg: dict) -> bool:
+        """Deliver a validated message; True if a waiting request got it."""
+        room = msg["bootstrap_room"]
+        fut = self.waiters.get(room)
+        if fut is not None:
+            if not fut.done():
+                fut.set_result(msg)
+            return True
+        self.buffer[room] = (self.clock(), msg)
+        self.buffer.move_to_end(room)
+        self._sweep()
+        return False
+
+    def discard(self, room: int) -> None:
+        fut = self.waiters.pop(room, None)
+        if fut is not None and not fut.done():
+            fut.cancel()
+
+
+class SignatureEncoder:
+    """Thin adapter over a calibration artifact (``eldr_sglang.core.artifact``).
+
+    Needs ``artifact.layers``, ``artifact.centroids`` [K, D], optional
+    ``artifact.tau`` and ``artifact.signature(counts [n_sel, E]) -> [D]``.
+    """
+
+    def __init__(self, artifact: Any) -> None:
+        self.artifact = artifact
+        self.layers = [int(x) for x in artifact.layers]
+        self.centroids = np.asarray(artifact.centroids, dtype=np.float32)
+        self.tau = float(getattr(artifact, "tau", 0.1) or 0.1)
+
+    def encode(self, msg: dict) -> np.ndarray:
+        if [int(x) for x in msg["layers"]] != self.layers:
+            raise SignatureError(
+                "layer_mismatch", f"message layers {msg['layers']} != artifact {self.layers}")
+        try:
+            vec = np.asarray(self.artifact.signature(np.asarray(msg["counts"])),
+                             dtype=np.float32).reshape(-1)
+        except Exception as e:  # artifact rejects the shape etc.
+            raise SignatureError("bad_counts", f"artifact.signature failed: {e}") from e
+        if vec.shape[0] != self.centroids.shape[1]:
+            raise SignatureError("bad_counts", f"signature has {vec.shape[0]} dims, "
+                                 f"centroids {self.centroids.shape[1]}")
+        norm = float(np.linalg.norm(vec))
+        if not np.isfinite(norm) or norm < 1e-12:
+            raise SignatureError("empty_signature", "signature is zero or not finite")
+        return vec / norm
+
+    def describe(self) -> dict:
+        a = self.artifact
+        model = getattr(a, "model", "")
+        return {"model": str(getattr(model, "name", model)), "layers": self.layers,
+                "num_clusters": int(self.centroids.shape[0]), "dim": int(self.centroids.shape[1]),
+                "tau": self.tau}
+
+
+def combine(vectors: list[np.ndarray]) -> Optional[np.ndarray]:
+    """One routing vector for a batch request: normalised sum of its items' signatures."""
+    if not vectors:
+        return None
+    if len(vectors) == 1:
+        return vectors[0]
+    s = np.sum(vectors, axis=0)
+    n = float(np.linalg.norm(s))
+    return s / n if n > 1e-12 else vectors[0]
+
+
+def load_calibration(path: str) -> Any:
+    """Load a calibration artifact with the core loader (imported lazily)."""
+    from eldr_sglang.core.artifact import load_artifact
+
+    return load_artifact(path)

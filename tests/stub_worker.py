@@ -1,0 +1,288 @@
+"""A fake SGLang PD worker (prefill or decode) for router tests and benchmarks.
+
+In-process::
+
+    w = StubWorker("prefill", signature_url="http://127.0.0.1:8000/eldr/signature")
+    url = await w.start()          # picks a free port
+    ...; await w.stop()
+
+As a script::
+
+    python tests/stub_worker.py --role decode --port 30001 --latency 0.05 --stream-delay 0.01
+
+Failure knobs: ``latency`` (s before answering), ``fail_rate`` (share of requests
+answered HTTP ``fail_status``), ``hang`` (never answer until aborted),
+``send_signature=False`` (prefill never posts a signature), ``signature_delay``,
+``stream_chunks`` / ``stream_delay`` (slow SSE stream). It records every request
+body (``requests``), every aborted rid (``aborts``) and signature post (``signatures``).
+
+Prefill signatures: ``counts_fn(text) -> [n_sel][E]`` (default :func:`topic_counts`:
+a prompt containing ``topic:K`` activates experts of topic K on every layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import re
+import zlib
+from typing import Any, Callable, Optional, Sequence
+
+import aiohttp
+import numpy as np
+import orjson
+from aiohttp import web
+
+
+def topic_counts(text: str, layers: Sequence[int] = (0, 1), num_experts: int = 8,
+                 per_topic: int = 2) -> list[list[int]]:
+    """Counts [len(layers), E]: experts of the prompt's topic hot, all others cold."""
+    m = re.search(r"topic:(\d+)", text or "")
+    n_topics = max(1, num_experts // per_topic)
+    t = int(m.group(1)) % n_topics if m else zlib.crc32((text or "").encode()) % n_topics
+    row = [1] * num_experts
+    for j in range(per_topic):
+        row[t * per_topic + j] = 20
+    return [list(row) for _ in layers]
+
+
+class ToyArtifact:
+    """Stand-in for ``CalibrationArtifact``: IDF-weighted, flattened, L2-normalised counts."""
+
+    def __init__(self, layers: Sequence[int] = (0, 1), num_experts: int = 8,
+                 num_clusters: int = 4, per_topic: int = 2, tau: float = 0.1) -> None:
+        self.layers = list(layers)
+        self.model = "toy-moe"
+        self.tau = tau
+        self.idf = np.ones((len(self.layers), num_experts), dtype=np.float32)
+        self.centroids = np.stack([
+            self.signature(np.asarray(topic_counts(f"topic:{k}", layers, num_experts, per_topic)))
+            for k in range(num_clusters)])
+        self.num_clusters = num_clusters
+
+    def signature(self, counts: np.ndarray) -> np.ndarray:
+        v = (np.asarray(counts, dtype=np.float32) * self.idf).reshape(-1)
+        return v / max(float(np.linalg.norm(v)), 1e-12)
+
+
+def _items(body: dict) -> tuple[list[str], bool]:
+    """Prompt text per item (for signatures) and whether the request is a batch."""
+    text = body.get("text", body.get("prompt"))
+    if text is None and "messages" in body:
+        text = " ".join(str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict))
+    if text is None and "input_ids" in body:
+        ids = body["input_ids"]
+        if ids and isinstance(ids[0], list):
+            return [" ".join(map(str, x)) for x in ids], True
+        return [" ".join(map(str, ids))], False
+    if isinstance(text, list) and "text" in body:
+        return [str(t) for t in text], True
+    return [str(text)], False
+
+
+def _as_list(v: Any, n: int) -> list:
+    return list(v) if isinstance(v, list) else [v] * n
+
+
+class StubWorker:
+    def __init__(
+        self,
+        role: str = "decode",
+        *,
+        name: Optional[str] = None,
+        latency: float = 0.0,
+        fail_rate: float = 0.0,
+        fail_status: int = 500,
+        hang: bool = False,
+        send_signature: bool = True,
+        signature_url: Optional[str] = None,
+        signature_delay: float = 0.0,
+        layers: Sequence[int] = (0, 1),
+        num_experts: int = 8,
+        counts_fn: Optional[Callable[[str], list]] = None,
+        stream_chunks: int = 3,
+        stream_delay: float = 0.0,
+        seed: int = 0,
+        model: str = "stub-model",
+    ) -> None:
+        assert role in ("prefill", "decode")
+        self.role, self.name = role, name or role
+        self.latency, self.fail_rate, self.fail_status, self.hang = latency, fail_rate, fail_status, hang
+        self.send_signature, self.signature_url = send_signature, signature_url
+        self.signature_delay = signature_delay
+        self.layers, self.num_experts = list(layers), num_experts
+        self.counts_fn = counts_fn or (lambda t: topic_counts(t, self.layers, self.num_experts))
+        self.stream_chunks, self.stream_delay = stream_chunks, stream_delay
+        self.rng = random.Random(seed)
+        self.model = model
+        self.requests: list[dict] = []
+        self.aborts: list[str] = []
+        self.signatures: list[Any] = []
+        self._abort_events: dict[str, asyncio.Event] = {}
+        self._runner: Optional[web.AppRunner] = None
+        self._session: Optional[aiohttp.ClientSession] = None
+        self._tasks: set[asyncio.Task] = set()
+        self.url = ""
+
+    # ------------------------------------------------------------------ app
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024**2)
+        for ep in ("/generate", "/v1/completions", "/v1/chat/completions"):
+            app.router.add_post(ep, self.h_generate)
+        app.router.add_post("/abort_request", self.h_abort)
+        app.router.add_get("/health", self.h_ok)
+        app.router.add_get("/health_generate", self.h_ok)
+        app.router.add_post("/flush_cache", self.h_ok)
+        for p in ("/get_server_info", "/server_info"):
+            app.router.add_get(p, self.h_info)
+        for p in ("/model_info", "/get_model_info"):
+            app.router.add_get(p, self.h_model_info)
+        app.router.add_get("/v1/models", self.h_models)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        self._session = aiohttp.ClientSession()
+        self._runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://{host}:{self.port}"
+        return self.url
+
+    async def stop(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        if self._runner:
+            await self._runner.cleanup()
+        if self._session:
+            await self._session.close()
+
+    # ------------------------------------------------------------------ handlers
+    async def h_ok(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def h_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"role": self.role, "name": self.name,
+                                  "internal_states": [{"last_gen_throughput": 1.0}]})
+
+    async def h_model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.model, "is_generation": True})
+
+    async def h_models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def h_abort(self, request: web.Request) -> web.Response:
+        rid = (await request.json()).get("rid", "")
+        self.aborts.append(rid)
+        for r, ev in self._abort_events.items():
+            if rid and r.startswith(rid):
+                ev.set()
+        return web.Response(status=200)
+
+    async def _post_signature(self, msgs: list[dict]) -> None:
+        if self.signature_delay:
+            await asyncio.sleep(self.signature_delay)
+        self.signatures.append(msgs)
+        try:
+            async with self._session.post(self.signature_url, data=orjson.dumps(
+                    msgs if len(msgs) > 1 else msgs[0])) as r:
+                await r.read()
+        except aiohttp.ClientError:
+            pass
+
+    async def h_generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json(loads=orjson.loads)
+        endpoint = request.path.lstrip("/")
+        self.requests.append({"endpoint": endpoint, **body})
+        texts, is_batch = _items(body)
+        n = len(texts)
+        rids = [str(r) for r in _as_list(body.get("rid", ""), n)]
+        rooms = _as_list(body.get("bootstrap_room"), n)
+        if self.role == "prefill" and self.send_signature and self.signature_url:
+            msgs = [{"bootstrap_room": rooms[i], "rid": rids[i], "prompt_tokens": len(texts[i].split()),
+                     "cached_tokens": 0, "layers": self.layers, "counts": self.counts_fn(texts[i])}
+                    for i in range(n)]
+            t = asyncio.get_running_loop().create_task(self._post_signature(msgs))
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+        if self.fail_rate and self.rng.random() < self.fail_rate:
+            return web.json_response({"error": {"message": f"stub {self.name} failure"}},
+                                     status=self.fail_status)
+        ev = asyncio.Event()
+        for r in rids:
+            self._abort_events[r] = ev
+        try:
+            if self.hang:
+                await ev.wait()
+            elif self.latency:
+                try:
+                    await asyncio.wait_for(ev.wait(), self.latency)
+                except asyncio.TimeoutError:
+                    pass
+            if ev.is_set():
+                return web.json_response({"error": {"message": "aborted"}}, status=499)
+            items = [{"text": f"{self.name}:{texts[i][:20]}",
+                      "meta_info": {"id": rids[i], "server": self.name, "role": self.role,
+                                    "bootstrap_room": rooms[i],
+                                    "finish_reason": {"type": "length", "length": 1}}}
+                     for i in range(n)]
+            if not body.get("stream"):
+                return web.Response(body=orjson.dumps(items if is_batch else items[0]),
+                                    content_type="application/json")
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            for k in range(self.stream_chunks):
+                for it in items:
+                    await out.write(b"data: " + orjson.dumps({**it, "chunk": k}) + b"\n\n")
+                if self.stream_delay:
+                    try:
+                        await asyncio.wait_for(ev.wait(), self.stream_delay)
+                        break
+                    except asyncio.TimeoutError:
+                        pass
+            await out.write(b"data: [DONE]\n\n")
+            await out.write_eof()
+            return out
+        finally:
+            for r in rids:
+                self._abort_events.pop(r, None)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description="Fake SGLang PD worker")
+    p.add_argument("--role", choices=("prefill", "decode"), default="decode")
+    p.add_argument("--name")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--latency", type=float, default=0.0)
+    p.add_argument("--fail-rate", type=float, default=0.0)
+    p.add_argument("--fail-status", type=int, default=500)
+    p.add_argument("--hang", action="store_true")
+    p.add_argument("--no-signature", action="store_true", help="prefill never posts a signature")
+    p.add_argument("--signature-url", help="router callback, e.g. http://127.0.0.1:8000/eldr/signature")
+    p.add_argument("--signature-delay", type=float, default=0.0)
+    p.add_argument("--layers", default="0,1")
+    p.add_argument("--num-experts", type=int, default=8)
+    p.add_argument("--stream-chunks", type=int, default=3)
+    p.add_argument("--stream-delay", type=float, default=0.0)
+    a = p.parse_args(argv)
+    w = StubWorker(a.role, name=a.name, latency=a.latency, fail_rate=a.fail_rate,
+                   fail_status=a.fail_status, hang=a.hang, send_signature=not a.no_signature,
+                   signature_url=a.signature_url, signature_delay=a.signature_delay,
+                   layers=[int(x) for x in a.layers.split(",")], num_experts=a.num_experts,
+                   stream_chunks=a.stream_chunks, stream_delay=a.stream_delay)
+
+    async def run() -> None:
+        print(f"stub {w.role} on {await w.start(a.host, a.port)}", flush=True)
+        await asyncio.Event().wait()
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
