@@ -362,3 +362,27 @@ def test_cli_with_real_calibration_artifact(tmp_path):
         for w in workers:
             await w.stop()
     run(main())
+
+
+def test_parse_message_validation_and_board_ttl():
+    from eldr_sglang.router.signatures import SignatureBoard, parse_message
+
+    ok = parse_message({"bootstrap_room": 1, "layers": [0, 1], "counts": [[1, 2], [3, 4]]})
+    assert ok["counts"].shape == (2, 2)
+    for bad in ({"bootstrap_room": True, "layers": [0], "counts": [[1]]},
+                {"bootstrap_room": 1, "layers": [0, 1], "counts": [[1, 2], [3]]},
+                {"bootstrap_room": 1, "layers": [0], "counts": [["a"]]},
+                {"bootstrap_room": 1, "layers": [0], "counts": [[True]]},
+                {"bootstrap_room": 1, "layers": [0, 1], "counts": [[1, 2]]},
+                {"bootstrap_room": 1, "layers": [0], "counts": [[1]], "rid": 3}, [1]):
+        with pytest.raises(ValueError):
+            parse_message(bad)
+
+    async def main():
+        now = [0.0]
+        board = SignatureBoard(ttl=5.0, clock=lambda: now[0])
+        assert board.post({"bootstrap_room": 7}) is False
+        now[0] = 10.0
+        board.post({"bootstrap_room": 8})  # sweeps the expired room 7
+        assert not board.expect(7).done() and board.expect(8).done() and board.expired == 1
+    run(main())

@@ -61,25 +61,27 @@ def is_optimal_assignment(cost: np.ndarray, labels: np.ndarray, prices: np.ndarr
     return bool((chosen <= reduced.min(axis=1) + _TOL * (1.0 + np.abs(chosen))).all())
 
 
-def _assign_by_prices(cost: np.ndarray, cap: np.ndarray, max_rounds: int) -> tuple[np.ndarray, np.ndarray, bool]:
-    """Price search from zero prices; returns (labels, prices, certified_candidate).
+def _assign_by_prices(
+    cost: np.ndarray, cap: np.ndarray, max_rounds: int, stop_excess: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Price search from zero prices; returns (labels, prices) with the invariants.
 
-    Each round every over-full cluster raises its price to the midpoint between the
-    margins of its cap[k]-th and (cap[k]+1)-th most attached members, so exactly
-    cap[k] keep preferring it. A cluster with a positive price then never holds
-    fewer than cap[k] points, so when none is over-full the certificate holds.
-    Gives up (False) on an exact tie at a boundary or after ``max_rounds``
-    (price wars among dense clusters); the prices are still a good LP hint.
+    Invariants: every point sits at an argmin of cost + prices, and a cluster with
+    a positive price holds >= cap[k] points. Each round every over-full cluster
+    raises its price to the midpoint between the margins of its cap[k]-th and
+    (cap[k]+1)-th most attached members, so exactly cap[k] keep preferring it.
+    Stops when total excess <= ``stop_excess``, on an exact tie at a boundary, or
+    after ``max_rounds`` (price wars), leaving the rest to the shortest-path repair.
     """
     n, k = cost.shape
     prices = np.zeros(k)
     for _ in range(max_rounds):
+        labels = (cost + prices).argmin(axis=1)
+        counts = np.bincount(labels, minlength=k)
+        if np.maximum(counts - cap, 0).sum() <= stop_excess:
+            break
         reduced = cost + prices
-        labels = reduced.argmin(axis=1)
-        over = np.flatnonzero(np.bincount(labels, minlength=k) > cap)
-        if over.size == 0:
-            return labels, prices, True
-        for c in over:
+        for c in np.flatnonzero(counts > cap):
             rows = reduced[labels == c]
             own = rows[:, c].copy()
             rows[:, c] = np.inf
@@ -87,11 +89,68 @@ def _assign_by_prices(cost: np.ndarray, cap: np.ndarray, max_rounds: int) -> tup
             keep = int(cap[c])
             if keep == 0:
                 prices[c] += margins[0] + 1.0
-            elif margins[keep - 1] <= margins[keep]:
-                return labels, prices, False  # exact tie at the capacity boundary: let the LP decide
-            else:
+            elif margins[keep - 1] > margins[keep]:
                 prices[c] += 0.5 * (margins[keep - 1] + margins[keep])
-    return labels, prices, False
+            # else: exact tie at the capacity boundary; leave it to the repair
+    return (cost + prices).argmin(axis=1), prices
+
+
+def _repair_by_shortest_paths(
+    cost: np.ndarray, cap: np.ndarray, labels: np.ndarray, prices: np.ndarray, max_moves: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Successive shortest paths on the K-node cluster graph, one unit of excess each.
+
+    Edge u -> v costs min over members p of u of the reduced cost of moving p to v
+    (>= 0 by the argmin invariant). A Dijkstra from all over-full clusters finds the
+    cheapest chain of moves to a cluster with room (distance D); moving those points
+    and raising prices by max(0, D - dist) keeps both invariants, so when no excess
+    is left the optimality certificate holds. None if ``max_moves`` is exceeded.
+    """
+    n, k = cost.shape
+    labels, prices = labels.copy(), prices.copy()
+    counts = np.bincount(labels, minlength=k)
+    rows = np.arange(n)
+    for _ in range(max_moves):
+        if (counts <= cap).all():
+            return labels, prices
+        reduced = cost + prices
+        slack = reduced - reduced[rows, labels][:, None]
+        weight = np.full((k, k), np.inf)
+        mover = np.zeros((k, k), dtype=np.int64)
+        order = np.argsort(labels, kind="stable")
+        starts = np.searchsorted(labels[order], np.arange(k + 1))
+        for u in range(k):
+            members = order[starts[u]:starts[u + 1]]
+            if members.size:
+                best = slack[members].argmin(axis=0)
+                weight[u] = np.maximum(slack[members[best], np.arange(k)], 0.0)
+                mover[u] = members[best]
+        np.fill_diagonal(weight, np.inf)
+        dist = np.where(counts > cap, 0.0, np.inf)
+        prev = np.full(k, -1)
+        done = np.zeros(k, dtype=bool)
+        target = -1
+        while True:
+            u = int(np.argmin(np.where(done, np.inf, dist)))
+            if done[u] or not np.isfinite(dist[u]):
+                return None  # no cluster with room is reachable (cannot happen when sum(cap) >= N)
+            done[u] = True
+            if counts[u] < cap[u]:
+                target = u
+                break
+            relaxed = dist[u] + weight[u]
+            better = (relaxed < dist) & ~done
+            dist[better], prev[better] = relaxed[better], u
+        reach = dist[target]
+        prices += np.maximum(0.0, reach - np.where(done, dist, reach))
+        v = target
+        while prev[v] >= 0:
+            u = int(prev[v])
+            labels[mover[u, v]] = v
+            v = u
+        counts[v] -= 1
+        counts[target] += 1
+    return None
 
 
 def _assign_by_lp(
@@ -139,35 +198,31 @@ def _assign_by_lp(
 
 
 def balanced_assignment(
-    cost: np.ndarray, capacity: int | np.ndarray, method: str = "auto", max_rounds: int = 300
+    cost: np.ndarray, capacity: int | np.ndarray, method: str = "auto", max_rounds: int = 50
 ) -> np.ndarray:
     """Exact min-cost assignment of N points to K clusters with at most capacity[k] each.
 
-    ``method``: "auto" (price search, then the sparse LP if it cannot certify),
-    "prices" (price search only; raises if it cannot certify), or "lp" (dense LP).
+    ``method``: "auto" (price search + shortest-path repair, certified; the LP
+    only if the certificate ever failed) or "lp" (HiGHS transportation LP).
     Returns labels [N].
     """
     return _balanced_assignment(cost, capacity, method, max_rounds)[0]
 
 
 def _balanced_assignment(
-    cost: np.ndarray, capacity, method: str = "auto", max_rounds: int = 300, hint: np.ndarray | None = None
+    cost: np.ndarray, capacity, method: str = "auto", max_rounds: int = 50
 ) -> tuple[np.ndarray, np.ndarray]:
     cost = np.asarray(cost, dtype=np.float64)
     n, k = cost.shape
     cap = _capacities(capacity, n, k)
-    if method in ("auto", "prices"):
-        labels, prices, ok = _assign_by_prices(cost, cap, max_rounds)
-        if ok and is_optimal_assignment(cost, labels, prices, cap):
-            return labels, prices
-        if method == "prices":
-            raise RuntimeError("price search could not certify an optimal assignment")
-        hint = prices if hint is None else hint
-    elif method == "lp":
-        return _assign_by_lp(cost, cap, None, k)
-    else:
+    if method == "auto":
+        labels, prices = _assign_by_prices(cost, cap, max_rounds, stop_excess=max(1, n // 200))
+        repaired = _repair_by_shortest_paths(cost, cap, labels, prices, max_moves=n)
+        if repaired is not None and is_optimal_assignment(cost, *repaired, cap):
+            return repaired
+    elif method != "lp":
         raise ValueError(f"unknown method {method!r}")
-    labels, prices = _assign_by_lp(cost, cap, hint)
+    labels, prices = _assign_by_lp(cost, cap, None, k)
     if not is_optimal_assignment(cost, labels, prices, cap):
         raise RuntimeError("balanced assignment failed its optimality certificate")
     return labels, prices
@@ -219,12 +274,11 @@ class BalancedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         centers, _ = kmeans_plusplus(X, k, random_state=seed)
         centers = l2_normalize(centers)
         labels = np.full(n, -1)
-        prices = None
         inertia = np.inf
         n_iter = 0
         for n_iter in range(1, self.max_iter + 1):
             cost = 1.0 - (X @ centers.T).astype(np.float64)
-            new_labels, prices = _balanced_assignment(cost, self.capacity_, self.assignment, hint=prices)
+            new_labels, _ = _balanced_assignment(cost, self.capacity_, self.assignment)
             new_inertia = float(cost[np.arange(n), new_labels].sum())
             converged = np.array_equal(new_labels, labels) or inertia - new_inertia <= self.tol * n
             labels, inertia = new_labels, new_inertia

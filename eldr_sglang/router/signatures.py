@@ -36,7 +36,7 @@ def _is_int(x: Any) -> bool:
 
 
 def parse_message(obj: Any) -> dict:
-    """Validate one signature message; raises ValueError with a readable reason."""
+    """Validate one signature message (counts become an ndarray); ValueError if malformed."""
     if not isinstance(obj, dict):
         raise ValueError("signature message must be a JSON object")
     room = obj.get("bootstrap_room")
@@ -46,16 +46,16 @@ def parse_message(obj: Any) -> dict:
     if not isinstance(layers, list) or not all(_is_int(x) for x in layers):
         raise ValueError("layers must be a list of integers")
     counts = obj.get("counts")
-    if not isinstance(counts, list) or len(counts) != len(layers):
-        raise ValueError("counts must be a list with one row per layer")
-    width = None
-    for row in counts:
-        if not isinstance(row, list) or not all(isinstance(v, (int, float)) for v in row):
-            raise ValueError("counts rows must be lists of numbers")
-        if width is None:
-            width = len(row)
-        elif len(row) != width:
-            raise ValueError("counts rows must have equal length")
+    if not isinstance(counts, (list, np.ndarray)):
+        raise ValueError("counts must be a list of rows, one per layer")
+    try:
+        arr = np.array(counts)  # one C pass; ragged rows raise ValueError
+    except (ValueError, TypeError):
+        raise ValueError("counts rows must be lists of numbers of equal length") from None
+    if arr.ndim != 2 or arr.shape[0] != len(layers) or arr.dtype.kind not in "iuf":
+        raise ValueError(f"counts must be numbers shaped [len(layers)={len(layers)}, E], "
+                         f"got shape {list(arr.shape)}")
+    obj["counts"] = arr  # kept as an array: the encoder needs no second conversion
     for key in ("prompt_tokens", "cached_tokens"):
         if key in obj and obj[key] is not None and not _is_int(obj[key]):
             raise ValueError(f"{key} must be an integer")

@@ -1,0 +1,93 @@
+"""Shared fixtures: the fixture model and real SGLang CPU servers.
+
+Servers are expensive (~2.5 GB and ~45-90 s each on 2 cores), so each kind is
+started once per test session and torn down at the end (also after a failed
+or interrupted run). When a test that used a server fails, the tails of the
+server logs are attached to its report.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eldr_sglang import local_cluster as lc
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_DIR = Path(os.environ.get("ELDR_FIXTURE_MODEL", ROOT / ".cache" / "models" / "tiny-qwen3-moe"))
+LOG_DIR = Path(os.environ.get("ELDR_TEST_LOGS", ROOT / ".cache" / "test-logs"))
+
+_started: list[lc.ManagedProcess] = []
+
+
+def _progress(name: str, elapsed: float) -> None:
+    if int(elapsed) % 15 == 0:
+        sys.stderr.write(f"[fixtures] waiting for {name}: {elapsed:.0f}s\n")
+
+
+@pytest.fixture(scope="session")
+def fixture_model() -> Path:
+    """The tiny random Qwen3-MoE (4 layers, 16 experts, top-4), built if missing."""
+    if not (MODEL_DIR / "model.safetensors").exists():
+        subprocess.run(
+            [sys.executable, str(ROOT / "tools" / "make_fixture_model.py"), "--out", str(MODEL_DIR)],
+            check=True,
+        )
+    return MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def single_server(fixture_model: Path):
+    """One plain (non-PD) SGLang CPU server with the ELDR plugin installed."""
+    proc = lc.start_server(lc.ServerSpec(str(fixture_model)), LOG_DIR, "single")
+    _started.append(proc)
+    try:
+        proc.wait_ready(progress=_progress)
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def pd_cluster(fixture_model: Path):
+    """1 prefill + N decode SGLang CPU servers over mooncake_tcp, late binding on.
+
+    N comes from ``ELDR_TEST_DECODES`` (default 1)."""
+    n_decode = int(os.environ.get("ELDR_TEST_DECODES", "1"))
+    cluster = lc.start_pd_cluster(str(fixture_model), LOG_DIR, n_prefill=1,
+                                  n_decode=n_decode, progress=_progress)
+    _started.extend(cluster.processes)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def sglang_router(pd_cluster):
+    """sglang-router (Rust PD gateway, round robin) in front of ``pd_cluster``."""
+    proc = lc.start_sglang_router(pd_cluster, LOG_DIR)
+    _started.append(proc)
+    try:
+        proc.wait_ready(path="/health", timeout=60)
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed:
+        for proc in _started:
+            report.sections.append((f"log tail: {proc.name} ({proc.log_path})", proc.log_tail(30)))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for proc in _started:  # belt and braces: nothing outlives the session
+        proc.stop(grace=2)
