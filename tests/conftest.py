@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from eldr_sglang import local_cluster as lc
+from eldr_sglang.local_cluster import http_json
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = Path(os.environ.get("ELDR_FIXTURE_MODEL", ROOT / ".cache" / "models" / "tiny-qwen3-moe"))
@@ -40,9 +41,10 @@ def fixture_model() -> Path:
     return MODEL_DIR
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def single_server(fixture_model: Path):
-    """One plain (non-PD) SGLang CPU server with the ELDR plugin installed."""
+    """One plain (non-PD) SGLang CPU server with the ELDR plugin installed
+    (module scope: stopped before the PD servers start)."""
     proc = lc.start_server(lc.ServerSpec(str(fixture_model)), LOG_DIR, "single")
     _started.append(proc)
     try:
@@ -77,6 +79,39 @@ def sglang_router(pd_cluster):
         yield proc
     finally:
         proc.stop()
+
+
+GREEDY_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Aspirin is used to treat",
+    "Москва — столица",
+]
+GREEDY_NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(fixture_model):
+    """Greedy continuations from transformers' own Qwen3-MoE implementation."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(fixture_model)
+    model = AutoModelForCausalLM.from_pretrained(fixture_model, dtype=torch.bfloat16)
+    out = {}
+    for prompt in GREEDY_PROMPTS:
+        ids = tok(prompt).input_ids
+        gen = model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_NEW_TOKENS,
+                             min_new_tokens=GREEDY_NEW_TOKENS, do_sample=False)
+        out[prompt] = gen[0, len(ids):].tolist()
+    return out
+
+
+def greedy_generate(url: str, prompt: str) -> list[int]:
+    """Greedy token ids from an SGLang-compatible ``/generate`` endpoint."""
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": GREEDY_NEW_TOKENS,
+                                                "temperature": 0, "ignore_eos": True}}
+    return http_json(url + "/generate", body, timeout=120)["output_ids"]
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -100,36 +100,39 @@ def _repair_by_shortest_paths(
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Successive shortest paths on the K-node cluster graph, one unit of excess each.
 
-    Edge u -> v costs min over members p of u of the reduced cost of moving p to v
-    (>= 0 by the argmin invariant). A Dijkstra from all over-full clusters finds the
-    cheapest chain of moves to a cluster with room (distance D); moving those points
-    and raising prices by max(0, D - dist) keeps both invariants, so when no excess
-    is left the optimality certificate holds. None if ``max_moves`` is exceeded.
+    Edge u -> v costs the cheapest reduced cost of moving a member of u to v,
+    ``prices[v] - prices[u] + min_{p in u} (cost[p, v] - cost[p, u])`` (>= 0 by the
+    argmin invariant; the min term depends only on membership and is updated for
+    the clusters a move touches). A Dijkstra from all over-full clusters finds the
+    cheapest chain of moves to a cluster with room (distance D); moving those
+    points and raising prices by max(0, D - dist) keeps both invariants, so when no
+    excess is left the optimality certificate holds. None past ``max_moves``.
     """
     n, k = cost.shape
     labels, prices = labels.copy(), prices.copy()
     counts = np.bincount(labels, minlength=k)
-    rows = np.arange(n)
+    best_gap = np.full((k, k), np.inf)  # min over members of u of cost[p, v] - cost[p, u]
+    mover = np.zeros((k, k), dtype=np.int64)
+
+    def refresh(u: int) -> None:
+        members = np.flatnonzero(labels == u)
+        best_gap[u] = np.inf
+        if members.size:
+            gaps = cost[members] - cost[members, u][:, None]
+            pick = gaps.argmin(axis=0)
+            best_gap[u] = gaps[pick, np.arange(k)]
+            mover[u] = members[pick]
+        best_gap[u, u] = np.inf
+
+    for u in range(k):
+        refresh(u)
     for _ in range(max_moves):
         if (counts <= cap).all():
             return labels, prices
-        reduced = cost + prices
-        slack = reduced - reduced[rows, labels][:, None]
-        weight = np.full((k, k), np.inf)
-        mover = np.zeros((k, k), dtype=np.int64)
-        order = np.argsort(labels, kind="stable")
-        starts = np.searchsorted(labels[order], np.arange(k + 1))
-        for u in range(k):
-            members = order[starts[u]:starts[u + 1]]
-            if members.size:
-                best = slack[members].argmin(axis=0)
-                weight[u] = np.maximum(slack[members[best], np.arange(k)], 0.0)
-                mover[u] = members[best]
-        np.fill_diagonal(weight, np.inf)
+        weight = np.maximum(best_gap + prices[None, :] - prices[:, None], 0.0)
         dist = np.where(counts > cap, 0.0, np.inf)
         prev = np.full(k, -1)
         done = np.zeros(k, dtype=bool)
-        target = -1
         while True:
             u = int(np.argmin(np.where(done, np.inf, dist)))
             if done[u] or not np.isfinite(dist[u]):
@@ -143,13 +146,16 @@ def _repair_by_shortest_paths(
             dist[better], prev[better] = relaxed[better], u
         reach = dist[target]
         prices += np.maximum(0.0, reach - np.where(done, dist, reach))
-        v = target
+        v, touched = target, {target}
         while prev[v] >= 0:
             u = int(prev[v])
             labels[mover[u, v]] = v
+            touched.add(u)
             v = u
         counts[v] -= 1
         counts[target] += 1
+        for u in touched:
+            refresh(u)
     return None
 
 
@@ -233,7 +239,9 @@ class BalancedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
 
     Rows are L2-normalised; the distance is cosine distance ``1 - <x, c>``;
     centroids are unit vectors (normalised member means). Seeds come from
-    ``sklearn.cluster.kmeans_plusplus``; each assignment step is solved exactly by
+    ``sklearn.cluster.kmeans_plusplus`` on a random ``seed_sample`` of the points
+    (Euclidean k-means++ on unit vectors = cosine geometry); each assignment step
+    is solved exactly by
     ``balanced_assignment``. ``labels_`` is the balanced assignment of the
     training points; ``predict`` (new points) is the nearest centroid, unconstrained.
     """
@@ -243,9 +251,10 @@ class BalancedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         n_clusters: int = 8,
         n_init: int = 3,
         max_iter: int = 50,
-        tol: float = 1e-6,
+        tol: float = 1e-4,
         random_state: int | None = None,
         assignment: str = "auto",
+        seed_sample: int = 4096,
     ):
         self.n_clusters = n_clusters
         self.n_init = n_init
@@ -253,6 +262,7 @@ class BalancedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         self.tol = tol
         self.random_state = random_state
         self.assignment = assignment
+        self.seed_sample = seed_sample
 
     def fit(self, X: np.ndarray, y=None) -> "BalancedKMeans":
         X = l2_normalize(np.asarray(X))
@@ -271,7 +281,11 @@ class BalancedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
 
     def _single_run(self, X: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray, float, int]:
         n, k = X.shape[0], self.n_clusters
-        centers, _ = kmeans_plusplus(X, k, random_state=seed)
+        # seed on a float64 sample: kmeans_plusplus upcasts float32 chunk by chunk (slow)
+        rng = np.random.default_rng(seed)
+        size = max(self.seed_sample, k)
+        sample = X if n <= size else X[rng.choice(n, size, replace=False)]
+        centers, _ = kmeans_plusplus(sample.astype(np.float64), k, random_state=seed)
         centers = l2_normalize(centers)
         labels = np.full(n, -1)
         inertia = np.inf

@@ -1,12 +1,48 @@
-"""SGLang plugin entry point (group ``sglang.srt.plugins``, name ``eldr``)."""
+"""SGLang plugin entry point (group ``sglang.srt.plugins``, name ``eldr``).
+
+``register()`` runs in every SGLang process (launcher, scheduler,
+detokenizer). It always adds the ``--eldr-*`` flags; the CPU fixes only when
+CUDA is absent; the capture hooks only in the scheduler of a server started
+with ELDR flags. Without ELDR flags the server behaves exactly as stock SGLang.
+"""
 
 from __future__ import annotations
+
+import multiprocessing
+
+TARGETS = {
+    "prepare_server_args": "sglang.srt.server_args.prepare_server_args",
+    "forward": "sglang.srt.model_executor.model_runner.ModelRunner.forward",
+    "select_experts": "sglang.srt.layers.moe.topk.select_experts",
+    "disagg_prefill": "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin"
+                      ".process_batch_result_disagg_prefill",
+}
 
 
 def register() -> None:
     """Called by SGLang's ``load_plugins()`` in every server process."""
-    from eldr_sglang.patches import cpu_compat
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from eldr_sglang.patches import cpu_compat, flags
 
     if not cpu_compat.cuda_available():
         cpu_compat.install_import_shims()
         cpu_compat.register_hooks()
+    HookRegistry.register(TARGETS["prepare_server_args"], flags.prepare_server_args_around, HookType.AROUND)
+
+    config = flags.EngineConfig.from_env()
+    if config.active and multiprocessing.current_process().name != "MainProcess":
+        register_capture(config)
+
+
+def register_capture(config) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from eldr_sglang.patches import capture
+
+    if capture.STATE is not None:
+        return
+    capture.STATE = capture.CaptureState(config)  # publisher, metrics: at the first forward
+    HookRegistry.register(TARGETS["forward"], capture.forward_around, HookType.AROUND)
+    HookRegistry.register(TARGETS["select_experts"], capture.select_experts_after, HookType.AFTER)
+    HookRegistry.register(TARGETS["disagg_prefill"], capture.disagg_prefill_after, HookType.AFTER)

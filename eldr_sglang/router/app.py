@@ -29,7 +29,7 @@ import random
 import time
 import urllib.parse
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Optional, Sequence
@@ -171,6 +171,7 @@ class Router:
         self.health_cooldown = health_cooldown
         self.timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=connect_timeout)
         self.board = SignatureBoard(ttl=signature_ttl)
+        self.decisions: deque[dict] = deque(maxlen=256)  # recent routing decisions, for /eldr/decisions
         self.metrics = RouterMetrics()
         self.counters: Counter[str] = Counter()
         self.session: Optional[aiohttp.ClientSession] = None
@@ -424,6 +425,7 @@ class Router:
             tried: set[int] = set()
             while True:
                 d = self.pick_decode(RouteRequest(signature=sig, label=label), tried)
+                self._record(rids, rooms, label, sig, waiters, d)
                 self._enter(d)
                 try:
                     resp = await self._open_decode(d, endpoint, payload, prefill_task)
@@ -455,6 +457,17 @@ class Router:
         finally:
             for r in rooms:
                 self.board.discard(r)
+
+    def _record(self, rids: list[str], rooms: list[int], label: Optional[str],
+                sig: Optional[np.ndarray], waiters: list[asyncio.Future], d: Server) -> None:
+        """Keep the decision and the signature messages it used (``GET /eldr/decisions``)."""
+        messages = [w.result() for w in waiters if w.done() and not w.cancelled()]
+        decision = {"time": time.time(), "rids": rids, "rooms": rooms, "label": label,
+                    "policy": self.policy_name, "decode": d.url,
+                    "loads": {x.url: x.inflight for x in self.decodes}, "messages": messages}
+        if sig is not None and self.encoder is not None:
+            decision["similarities"] = [float(v) for v in self.encoder.centroids @ sig]
+        self.decisions.append(decision)
 
     async def _relay(self, request: web.Request, resp: aiohttp.ClientResponse, d: Server,
                      stream: bool, rids: list[str], p: Server) -> web.StreamResponse:
@@ -627,6 +640,14 @@ class Router:
                                  "expired": self.board.expired},
         }
 
+    async def h_decisions(self, request: web.Request) -> web.Response:
+        """The last ``?last=N`` routing decisions (default 20), newest last."""
+        try:
+            last = int(request.query.get("last", "20"))
+        except ValueError:
+            return self._bad("'last' must be an integer")
+        return json_response(list(self.decisions)[-max(last, 0):] if last else [])
+
     async def h_status(self, request: web.Request) -> web.Response:
         return json_response(self.status())
 
@@ -693,6 +714,7 @@ class Router:
         r.add_get("/metrics", self.h_metrics)
         r.add_post("/eldr/signature", self.h_signature)
         r.add_get("/eldr/status", self.h_status)
+        r.add_get("/eldr/decisions", self.h_decisions)
         r.add_post("/eldr/servers", self.h_servers)
         return app
 

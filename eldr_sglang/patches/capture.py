@@ -1,0 +1,196 @@
+"""Expert-id capture inside SGLang's scheduler process.
+
+Hooks (registered by ``eldr_sglang.patches.register`` when ELDR flags are set):
+
+* AROUND ``ModelRunner.forward``: remembers the running ``ForwardBatch``;
+* AFTER ``layers.moe.topk.select_experts``: during prefill (extend) batches,
+  writes the top-k ids of the selected layers into the KV-slot table
+  (vectorised, on the model's device, no host sync); during decode batches,
+  marks the experts each layer activates, for the unique-experts-per-step
+  figure;
+* AFTER ``SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill``:
+  for each request whose prefill finished, counts the ids over all its prompt
+  slots (cached prefix + new tokens) and hands a signature message to the
+  publisher.
+
+Ids are logical expert ids (taken before any EP logical->physical mapping).
+Every hook is guarded: an error is logged once and the server carries on as
+stock SGLang.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from eldr_sglang.patches.flags import EngineConfig, FlagError, check_model_dims
+from eldr_sglang.radix_signature import ExpertSlotTable
+
+logger = logging.getLogger("eldr_sglang.capture")
+
+HEALTH_CHECK_PREFIX = "HEALTH_CHECK"
+
+
+@dataclass
+class DecodeStats:
+    """Unique experts per decode step, summed over MoE layers; kept on device
+    and read only when the metrics endpoint is scraped."""
+
+    steps: int = 0
+    tokens: int = 0
+    unique_total: torch.Tensor | None = None
+    active: torch.Tensor | None = None  # [num_layers, num_experts] bool for the running step
+
+    def mean_unique_per_step(self) -> float:
+        return float(self.unique_total.item()) / self.steps if self.steps and self.unique_total is not None else 0.0
+
+
+@dataclass
+class CaptureState:
+    config: EngineConfig
+    table: ExpertSlotTable | None = None
+    decode: DecodeStats = field(default_factory=DecodeStats)
+    forward_batch: object | None = None
+    ready: bool = False
+    failed: set = field(default_factory=set)
+    publisher: object | None = None
+    trace_writer: object | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def fail_once(self, where: str, exc: BaseException) -> None:
+        if where not in self.failed:
+            self.failed.add(where)
+            logger.exception("eldr-sglang: %s failed; continuing without it (%s)", where, exc)
+
+
+STATE: CaptureState | None = None
+
+
+def model_dims(model_runner) -> tuple[int, int, int]:
+    hf = model_runner.model_config.hf_config
+    hf = getattr(hf, "text_config", None) or hf
+    num_experts = getattr(hf, "num_experts", None) or getattr(hf, "n_routed_experts", None)
+    return hf.num_hidden_layers, num_experts, hf.num_experts_per_tok
+
+
+def _selected_layers(config: EngineConfig, num_layers: int) -> list[int]:
+    if config.calibration:
+        from eldr_sglang.core.artifact import load_artifact
+
+        return list(load_artifact(config.calibration).layers)
+    if config.layers == "all":
+        return list(range(num_layers))
+    return list(config.layers or ())
+
+
+def _init(state: CaptureState, model_runner) -> None:
+    num_layers, num_experts, top_k = model_dims(model_runner)
+    try:
+        check_model_dims(state.config, num_layers, num_experts, top_k)
+    except FlagError as exc:
+        raise RuntimeError(str(exc)) from None
+    device = model_runner.device
+    layers = _selected_layers(state.config, num_layers)
+    if layers:
+        pool = model_runner.token_to_kv_pool
+        num_slots = pool.size + getattr(pool, "page_size", 1)
+        state.table = ExpertSlotTable(num_slots, layers, num_experts, top_k, device=device)
+        logger.info("eldr-sglang: capturing layers %s: %d B per KV slot (%d slots)",
+                    layers, state.table.bytes_per_token, num_slots)
+    state.decode.unique_total = torch.zeros((), dtype=torch.int64, device=device)
+    state.decode.active = torch.zeros((num_layers, num_experts), dtype=torch.bool, device=device)
+    if state.config.publish and state.table is not None:
+        from eldr_sglang.patches.publish import SignaturePublisher
+
+        state.publisher = SignaturePublisher(state.config.publish, timeout=state.config.publish_timeout)
+    if state.config.metrics_port:
+        from eldr_sglang.patches.metrics import serve_metrics
+
+        serve_metrics(state, state.config.metrics_port)
+    state.ready = True
+
+
+def forward_around(original, model_runner, forward_batch, *args, **kwargs):
+    state = STATE
+    if state is None:
+        return original(model_runner, forward_batch, *args, **kwargs)
+    try:
+        if not state.ready:
+            _init(state, model_runner)
+        state.forward_batch = forward_batch
+    except Exception as exc:
+        state.fail_once("initialisation", exc)
+    try:
+        return original(model_runner, forward_batch, *args, **kwargs)
+    finally:
+        state.forward_batch = None
+        try:
+            mode = forward_batch.forward_mode
+            if state.ready and mode.is_decode():
+                d = state.decode
+                d.unique_total += d.active.sum()
+                d.active.zero_()
+                d.steps += 1
+                d.tokens += int(forward_batch.batch_size)
+        except Exception as exc:
+            state.fail_once("decode statistics", exc)
+
+
+def select_experts_after(result, *args, layer_id=None, **kwargs):
+    state = STATE
+    fb = state.forward_batch if state is not None else None
+    if fb is None or layer_id is None or not state.ready:
+        return result
+    try:
+        topk_ids = result.topk_ids
+        mode = fb.forward_mode
+        if mode.is_extend() and state.table is not None:
+            state.table.write(fb.out_cache_loc, layer_id, topk_ids)
+        elif mode.is_decode():
+            n = fb.batch_size
+            state.decode.active[layer_id].index_fill_(0, topk_ids[:n].flatten().long(), True)
+    except Exception as exc:
+        state.fail_once("select_experts capture", exc)
+    return result
+
+
+def prompt_counts(scheduler, req, table: ExpertSlotTable) -> torch.Tensor:
+    """Expert counts over every prompt token of ``req`` (cached + computed)."""
+    n = len(req.origin_input_ids)
+    slots = scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n]
+    return table.counts(slots)
+
+
+def signature_message(req, counts: torch.Tensor, layers: list[int]) -> dict:
+    return {
+        "bootstrap_room": req.bootstrap_room,
+        "rid": req.rid,
+        "prompt_tokens": len(req.origin_input_ids),
+        "cached_tokens": int(getattr(req, "cached_tokens", 0) or 0),
+        "layers": layers,
+        "counts": counts.cpu().tolist(),
+    }
+
+
+def disagg_prefill_after(result, scheduler, batch, *args, **kwargs):
+    state = STATE
+    if state is None or state.table is None or (state.publisher is None and state.trace_writer is None):
+        return result
+    try:
+        for req in batch.reqs:
+            if getattr(req, "inflight_middle_chunks", 0) > 0 or str(req.rid).startswith(HEALTH_CHECK_PREFIX):
+                continue
+            if req.bootstrap_room is None or getattr(req, "kv", None) is None or req.kv.req_pool_idx is None:
+                continue
+            counts = prompt_counts(scheduler, req, state.table)
+            msg = signature_message(req, counts, state.table.layers)
+            if state.publisher is not None:
+                state.publisher.submit(msg)
+            if state.trace_writer is not None:
+                state.trace_writer.prefill(msg)
+    except Exception as exc:
+        state.fail_once("signature publishing", exc)
+    return result

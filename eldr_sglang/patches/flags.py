@@ -1,0 +1,186 @@
+"""``--eldr-*`` flags on the stock ``python -m sglang.launch_server``.
+
+SGLang's ``ServerArgs`` cannot take new fields, so an AROUND hook on
+``prepare_server_args`` takes the ``--eldr-*`` flags out of argv, validates
+them, and hands them to the server's child processes (scheduler, detokenizer)
+as ``ELDR_*`` environment variables, which those processes inherit.
+A bad value stops the launcher with a message naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+ENV_KEY = "ELDR_ENGINE_CONFIG"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine plugin does in this server (all off by default)."""
+
+    calibration: str | None = None  # artifact: which layers to capture
+    layers: tuple[int, ...] | str | None = None  # explicit layers, or "all" (trace mode)
+    publish: str | None = None  # router callback URL for signature messages
+    metrics_port: int | None = None  # Prometheus endpoint of the scheduler process
+    trace_dir: str | None = None  # per-request expert counts (trace mode)
+    publish_timeout: float = 2.0
+
+    @property
+    def active(self) -> bool:
+        return any(v is not None for v in (self.calibration, self.layers, self.metrics_port, self.trace_dir))
+
+    def to_env(self) -> str:
+        d = asdict(self)
+        if isinstance(self.layers, tuple):
+            d["layers"] = list(self.layers)
+        return json.dumps(d)
+
+    @classmethod
+    def from_env(cls, environ=os.environ) -> "EngineConfig":
+        raw = environ.get(ENV_KEY)
+        if not raw:
+            return cls()
+        d = json.loads(raw)
+        if isinstance(d.get("layers"), list):
+            d["layers"] = tuple(d["layers"])
+        return cls(**d)
+
+
+class FlagError(ValueError):
+    """A bad ``--eldr-*`` value; the message names the flag."""
+
+
+def _layers(value: str) -> tuple[int, ...] | str:
+    if value.strip().lower() == "all":
+        return "all"
+    try:
+        layers = tuple(int(x) for x in value.split(",") if x.strip())
+    except ValueError:
+        raise FlagError(f"--eldr-layers: expected 'all' or comma-separated layer ids, got {value!r}")
+    if not layers or min(layers) < 0 or len(set(layers)) != len(layers):
+        raise FlagError(f"--eldr-layers: layer ids must be distinct and >= 0, got {value!r}")
+    return layers
+
+
+def _url(value: str) -> str:
+    u = urlparse(value)
+    if u.scheme not in ("http", "https") or not u.netloc:
+        raise FlagError(f"--eldr-publish: expected an http(s) URL such as http://router:8000/eldr/signature, got {value!r}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sglang.launch_server (ELDR flags)", add_help=False, allow_abbrev=False)
+    p.add_argument("--eldr-calibration", dest="calibration")
+    p.add_argument("--eldr-layers", dest="layers")
+    p.add_argument("--eldr-publish", dest="publish")
+    p.add_argument("--eldr-metrics-port", dest="metrics_port")
+    p.add_argument("--eldr-trace-dir", dest="trace_dir")
+    p.add_argument("--eldr-publish-timeout", dest="publish_timeout")
+    return p
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Separate ``--eldr-*`` flags (and their values) from SGLang's own."""
+    ours, theirs, i = [], [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith("--eldr-"):
+            ours.append(a)
+            if "=" not in a and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                ours.append(argv[i + 1])
+                i += 1
+        else:
+            theirs.append(a)
+        i += 1
+    return ours, theirs
+
+
+def parse_eldr_flags(argv: list[str]) -> EngineConfig:
+    """Parse and validate ``--eldr-*`` flags; raise FlagError naming the bad one."""
+    known = [opt for action in _parser()._actions for opt in action.option_strings]
+    for a in argv:
+        if a.startswith("--eldr-") and a.split("=")[0] not in known:
+            raise FlagError(f"unknown flag {a.split('=')[0]} (known: {', '.join(known)})")
+    ns, rest = _parser().parse_known_args(argv)
+    if rest:
+        raise FlagError(f"ELDR flag without a value: {' '.join(rest)}")
+    kw: dict = {}
+    if ns.calibration is not None:
+        if not Path(ns.calibration).is_file():
+            raise FlagError(f"--eldr-calibration: no such file: {ns.calibration}")
+        from eldr_sglang.core.artifact import load_artifact
+
+        try:
+            load_artifact(ns.calibration)
+        except ValueError as exc:
+            raise FlagError(f"--eldr-calibration: {exc}") from None
+        kw["calibration"] = str(Path(ns.calibration).resolve())
+    if ns.layers is not None:
+        if ns.calibration is not None:
+            raise FlagError("--eldr-layers and --eldr-calibration are exclusive (the artifact names the layers)")
+        kw["layers"] = _layers(ns.layers)
+    if ns.publish is not None:
+        if ns.calibration is None and ns.layers is None:
+            raise FlagError("--eldr-publish needs --eldr-calibration (or --eldr-layers) to know what to send")
+        kw["publish"] = _url(ns.publish)
+    if ns.metrics_port is not None:
+        if not ns.metrics_port.isdigit() or not 0 < int(ns.metrics_port) < 65536:
+            raise FlagError(f"--eldr-metrics-port: expected a TCP port, got {ns.metrics_port!r}")
+        kw["metrics_port"] = int(ns.metrics_port)
+    if ns.trace_dir is not None:
+        Path(ns.trace_dir).mkdir(parents=True, exist_ok=True)
+        kw["trace_dir"] = str(Path(ns.trace_dir).resolve())
+        if ns.calibration is None and ns.layers is None:
+            kw["layers"] = "all"  # trace mode records every layer
+    if ns.publish_timeout is not None:
+        try:
+            kw["publish_timeout"] = float(ns.publish_timeout)
+        except ValueError:
+            raise FlagError(f"--eldr-publish-timeout: expected seconds, got {ns.publish_timeout!r}") from None
+    return EngineConfig(**kw)
+
+
+def check_model(config: EngineConfig, model_path: str) -> None:
+    """Refuse an artifact (or layer ids) that does not fit a local model."""
+    cfg_file = Path(model_path) / "config.json"
+    if not cfg_file.is_file():
+        return  # a hub id: checked again in the scheduler once the model is loaded
+    hf = json.loads(cfg_file.read_text())
+    check_model_dims(config, hf.get("num_hidden_layers"), hf.get("num_experts") or hf.get("n_routed_experts"),
+                     hf.get("num_experts_per_tok"))
+
+
+def check_model_dims(config: EngineConfig, num_layers, num_experts, top_k) -> None:
+    if config.calibration:
+        from eldr_sglang.core.artifact import load_artifact
+
+        try:
+            load_artifact(config.calibration,
+                          expect_model={"num_layers": num_layers, "num_experts": num_experts, "top_k": top_k})
+        except ValueError as exc:
+            raise FlagError(f"--eldr-calibration does not fit the served model: {exc}") from None
+    elif isinstance(config.layers, tuple) and num_layers is not None and max(config.layers) >= num_layers:
+        raise FlagError(f"--eldr-layers: layer {max(config.layers)} does not exist (model has {num_layers} layers)")
+
+
+def prepare_server_args_around(original, argv, *args, **kwargs):
+    """AROUND hook for ``sglang.srt.server_args.prepare_server_args``."""
+    ours, theirs = split_argv(list(argv))
+    if not ours:
+        return original(argv, *args, **kwargs)
+    try:
+        config = parse_eldr_flags(ours)
+        server_args = original(theirs, *args, **kwargs)
+        check_model(config, server_args.model_path)
+    except FlagError as exc:
+        sys.stderr.write(f"error: eldr-sglang: {exc}\n")
+        raise SystemExit(2)
+    os.environ[ENV_KEY] = config.to_env()
+    return server_args
