@@ -52,6 +52,13 @@ def http_json(url: str, body: dict | None = None, timeout: float = 60.0) -> dict
         return json.loads(resp.read() or b"null")
 
 
+def flush_cache(server_url: str) -> None:
+    """Empty an SGLang server's prefix cache (``POST /flush_cache``)."""
+    req = urllib.request.Request(server_url + "/flush_cache", data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        resp.read()
+
+
 @dataclass
 class ManagedProcess:
     """A child process in its own process group, with a log file."""
@@ -142,6 +149,7 @@ class ServerSpec:
     port: int = 0
     bootstrap_port: int = 0
     nccl_port: int = 0
+    eldr_metrics_port: int = 0  # ELDR plugin's Prometheus endpoint (0: off)
     late_binding: bool = True
     max_total_tokens: int = CPU_MAX_TOTAL_TOKENS
     extra_args: Sequence[str] = ()
@@ -168,9 +176,23 @@ class ServerSpec:
                 args += ["--disaggregation-decode-allocation-policy", "prefill_complete"]
         if self.role == "prefill":
             args += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
+        if self.eldr_metrics_port:
+            args += ["--eldr-metrics-port", str(self.eldr_metrics_port)]
         if self.role == "decode" and on_cpu():
             args += ["--disaggregation-decode-retraction-backup", "none"]
         return args + list(self.extra_args)
+
+
+def scrape_metrics(port: int) -> dict[str, float]:
+    """Plain ``name value`` samples of a Prometheus endpoint (labels dropped)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name.split("{")[0]] = float(value)
+    return out
 
 
 def start_server(spec: ServerSpec, log_dir: Path, name: str | None = None) -> ManagedProcess:
@@ -213,6 +235,7 @@ def start_pd_cluster(
     late_binding: bool = True,
     prefill_args: Sequence[str] = (),
     decode_args: Sequence[str] = (),
+    eldr_metrics: bool = False,
     env: dict[str, str] | None = None,
     progress: Callable[[str, float], None] | None = None,
     timeout: float = 420.0,
@@ -224,8 +247,8 @@ def start_pd_cluster(
     roles += [("decode", i, decode_args) for i in range(n_decode)]
     try:
         for role, i, extra in roles:
-            spec = ServerSpec(model_path, role, late_binding=late_binding,
-                              extra_args=extra, env=dict(env or {}))
+            spec = ServerSpec(model_path, role, late_binding=late_binding, extra_args=extra,
+                              eldr_metrics_port=free_port() if eldr_metrics else 0, env=dict(env or {}))
             proc = start_server(spec, log_dir, f"{role}-{i}")
             (cluster.prefills if role == "prefill" else cluster.decodes).append((proc, spec))
             proc.wait_ready(timeout=timeout, progress=progress)
@@ -248,3 +271,21 @@ def start_sglang_router(
         argv += ["--decode", proc.url]
     return ManagedProcess("sglang-router", argv, log_dir / "sglang-router.log",
                           f"http://127.0.0.1:{port}").start()
+
+
+def start_eldr_router(
+    cluster: PDCluster, log_dir: Path, policy: str = "eldr", artifact: str | Path | None = None,
+    port: int = 0, extra_args: Sequence[str] = (),
+) -> ManagedProcess:
+    """The ELDR router (``python -m eldr_sglang.router``) in front of ``cluster``."""
+    port = port or free_port()
+    argv = [sys.executable, "-m", "eldr_sglang.router", "--host", "127.0.0.1",
+            "--port", str(port), "--policy", policy]
+    if artifact is not None:
+        argv += ["--calibration", str(artifact)]
+    for proc, spec in cluster.prefills:
+        argv += ["--prefill", proc.url, str(spec.bootstrap_port)]
+    for proc, _ in cluster.decodes:
+        argv += ["--decode", proc.url]
+    return ManagedProcess(f"eldr-router-{policy}", argv + list(extra_args),
+                          log_dir / f"eldr-router-{policy}.log", f"http://127.0.0.1:{port}").start()

@@ -54,19 +54,67 @@ def single_server(fixture_model: Path):
         proc.stop()
 
 
-@pytest.fixture(scope="session")
-def pd_cluster(fixture_model: Path):
-    """1 prefill + N decode SGLang CPU servers over mooncake_tcp, late binding on.
+TEST_ARTIFACT_LAYERS = [1, 3]
 
-    N comes from ``ELDR_TEST_DECODES`` (default 1)."""
-    n_decode = int(os.environ.get("ELDR_TEST_DECODES", "1"))
-    cluster = lc.start_pd_cluster(str(fixture_model), LOG_DIR, n_prefill=1,
-                                  n_decode=n_decode, progress=_progress)
+
+@pytest.fixture(scope="session")
+def n_decode() -> int:
+    """Decode servers in the shared PD cluster (``ELDR_TEST_DECODES``, default 2)."""
+    return int(os.environ.get("ELDR_TEST_DECODES", "2"))
+
+
+@pytest.fixture(scope="session")
+def test_artifact(tmp_path_factory, n_decode) -> Path:
+    """A calibration artifact for the fixture model: layers 1 and 3, random
+    centroids (one per decode server), IDF from a skewed pattern, tau 0 (strict
+    affinity, so the expected decode server is the best centroid)."""
+    import numpy as np
+
+    from eldr_sglang.core import CalibrationArtifact, ModelSpec
+
+    rng = np.random.default_rng(7)
+    centroids = rng.random((n_decode, len(TEST_ARTIFACT_LAYERS) * 16)).astype(np.float32) ** 3
+    centroids /= np.linalg.norm(centroids, axis=1, keepdims=True)
+    idf = (1.0 + rng.random((len(TEST_ARTIFACT_LAYERS), 16))).astype(np.float32)
+    path = tmp_path_factory.mktemp("artifact") / "tiny-eldr.json"
+    CalibrationArtifact(ModelSpec("tiny-qwen3-moe", 4, 16, 4), "idf", TEST_ARTIFACT_LAYERS, idf,
+                        centroids, tau=0.0).save(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def eldr_router_port() -> int:
+    """Port the ELDR router will listen on; the prefill plugin publishes there."""
+    return lc.free_port()
+
+
+@pytest.fixture(scope="session")
+def pd_cluster(fixture_model: Path, test_artifact: Path, eldr_router_port: int, n_decode: int):
+    """1 prefill + N decode SGLang CPU servers over mooncake_tcp, late binding
+    on, the ELDR plugin active: prefill captures the artifact's layers and
+    publishes to the ELDR router's port; every server serves plugin metrics."""
+    cluster = lc.start_pd_cluster(
+        str(fixture_model), LOG_DIR, n_prefill=1, n_decode=n_decode, progress=_progress,
+        prefill_args=["--eldr-calibration", str(test_artifact),
+                      "--eldr-publish", f"http://127.0.0.1:{eldr_router_port}/eldr/signature"],
+        eldr_metrics=True)
     _started.extend(cluster.processes)
     try:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def eldr_router(pd_cluster, test_artifact: Path, eldr_router_port: int):
+    """The ELDR router (policy eldr) in front of ``pd_cluster``."""
+    proc = lc.start_eldr_router(pd_cluster, LOG_DIR, artifact=test_artifact, port=eldr_router_port)
+    _started.append(proc)
+    try:
+        proc.wait_ready(path="/health", timeout=60)
+        yield proc
+    finally:
+        proc.stop()
 
 
 @pytest.fixture(scope="session")
@@ -126,3 +174,9 @@ def pytest_runtest_makereport(item, call):
 def pytest_sessionfinish(session, exitstatus):
     for proc in _started:  # belt and braces: nothing outlives the session
         proc.stop(grace=2)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Run the single-server tests first: their server stops before the
+    shared PD cluster starts, so at most three servers run at once."""
+    items.sort(key=lambda item: 0 if "single_server" in getattr(item, "fixturenames", ()) else 1)

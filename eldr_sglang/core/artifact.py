@@ -153,8 +153,8 @@ def _validate(art: CalibrationArtifact, source: str) -> None:
         raise ValueError(f"{source}: centroids shape {list(art.centroids.shape)} != [K, {dim}]")
     if not (np.isfinite(art.idf).all() and np.isfinite(art.centroids).all()):
         raise ValueError(f"{source}: idf or centroids contain non-finite values")
-    if not 0.0 <= float(art.tau) <= 2.0:
-        raise ValueError(f"{source}: tau {art.tau} outside [0, 2]")
+    if not (np.isfinite(art.tau) and art.tau >= 0.0):
+        raise ValueError(f"{source}: tau {art.tau} must be finite and >= 0")
 
 
 def load_artifact(

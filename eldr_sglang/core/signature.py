@@ -142,6 +142,18 @@ class SignatureBuilder:
     def fit_transform(self, X: np.ndarray | TraceSet, y=None) -> np.ndarray:
         return self.fit(X).transform(X)
 
+    def with_layers(self, layers: Sequence[int]) -> "SignatureBuilder":
+        """A fitted copy restricted to ``layers`` (same IDF; no refit)."""
+        if not hasattr(self, "idf_"):
+            raise RuntimeError("SignatureBuilder is not fitted")
+        layers_ = np.asarray(layers, dtype=np.int64)
+        if layers_.size == 0 or layers_.min() < 0 or layers_.max() >= self.n_layers_in_:
+            raise ValueError(f"layers {layers_.tolist()} out of range for {self.n_layers_in_} layers")
+        other = SignatureBuilder(self.variant, list(map(int, layers_)))
+        other.__dict__.update({k: v for k, v in self.__dict__.items() if k.endswith("_")})
+        other.layers_ = layers_
+        return other
+
     def selected_idf(self) -> np.ndarray:
         """IDF of the selected layers, [n_sel, E] (what the artifact stores)."""
         return np.ascontiguousarray(self.idf_[self.layers_])

@@ -106,6 +106,10 @@ def _init(state: CaptureState, model_runner) -> None:
         from eldr_sglang.patches.publish import SignaturePublisher
 
         state.publisher = SignaturePublisher(state.config.publish, timeout=state.config.publish_timeout)
+    if state.config.trace_dir and state.table is not None:
+        from eldr_sglang.patches.trace_log import PrefillTraceLog
+
+        state.trace_writer = PrefillTraceLog(state.config.trace_dir)
     if state.config.metrics_port:
         from eldr_sglang.patches.metrics import serve_metrics
 

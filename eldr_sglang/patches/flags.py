@@ -75,8 +75,13 @@ def _url(value: str) -> str:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise FlagError(f"ELDR flag without a value or malformed: {message}")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sglang.launch_server (ELDR flags)", add_help=False, allow_abbrev=False)
+    p = _Parser(prog="sglang.launch_server (ELDR flags)", add_help=False, allow_abbrev=False)
     p.add_argument("--eldr-calibration", dest="calibration")
     p.add_argument("--eldr-layers", dest="layers")
     p.add_argument("--eldr-publish", dest="publish")
@@ -110,7 +115,7 @@ def parse_eldr_flags(argv: list[str]) -> EngineConfig:
             raise FlagError(f"unknown flag {a.split('=')[0]} (known: {', '.join(known)})")
     ns, rest = _parser().parse_known_args(argv)
     if rest:
-        raise FlagError(f"ELDR flag without a value: {' '.join(rest)}")
+        raise FlagError(f"ELDR flag without a value or malformed: {' '.join(rest)}")
     kw: dict = {}
     if ns.calibration is not None:
         if not Path(ns.calibration).is_file():

@@ -42,7 +42,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    choices=sorted(set(POLICY_NAMES) | {"rr", "power_of_two"}))
     p.add_argument("--calibration", help="calibration artifact (required for --policy eldr)")
     p.add_argument("--tau", type=float, default=None, help="locality band (default: artifact's, else 0.1)")
-    p.add_argument("--signature-timeout", type=float, default=2.0,
+    p.add_argument("--signature-timeout", type=float, default=30.0,
                    help="seconds to wait for a prefill signature before falling back to JSQ")
     p.add_argument("--signature-ttl", type=float, default=30.0,
                    help="seconds an early (unclaimed) signature message is kept")

@@ -148,7 +148,7 @@ class Router:
         domain_map: Optional[dict] = None,
         label_field: Optional[str] = None,
         label_header: Optional[str] = None,
-        signature_timeout: float = 2.0,
+        signature_timeout: float = 30.0,
         signature_ttl: float = 30.0,
         health_cooldown: float = 10.0,
         request_timeout: float = 1800.0,

@@ -1,0 +1,187 @@
+"""Offline calibration: traces -> IDF, greedy layers, balanced K-means -> artifact.
+
+    python -m eldr_sglang.calibrate --traces traces/ --clusters 16 --out artifact.json \\
+        [--variant idf] [--max-layers 8] [--min-gain 1e-3] [--seed 0] [--plot map.png]
+
+Prints the layer-selection curve, cluster sizes and per-label purity. Bad input
+ends with ``error: ...`` naming the file/field and exit status 2 (no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Sequence
+
+import numpy as np
+
+from .core.artifact import DEFAULT_TAU, CalibrationArtifact, creation_info
+from .core.clustering import BalancedKMeans
+from .core.layer_selection import select_layers
+from .core.signature import COUNT_VARIANTS, SignatureBuilder
+from .core.traces import TraceSet, load_traces
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m eldr_sglang.calibrate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--traces", nargs="+", required=True, help="trace directories or shard files")
+    ap.add_argument("--clusters", type=int, required=True, help="K, normally the number of decode servers")
+    ap.add_argument("--out", required=True, help="artifact JSON to write")
+    ap.add_argument("--variant", choices=COUNT_VARIANTS, default="idf",
+                    help="signature variant (the router only receives counts, so gate variants are analyze-only)")
+    ap.add_argument("--max-layers", type=int, default=None, help="cap on greedily selected layers")
+    ap.add_argument("--min-gain", type=float, default=1e-3, help="stop when the best layer adds less rho")
+    ap.add_argument("--layers", default=None, help="comma-separated layers: skip the greedy selection")
+    ap.add_argument("--pairs", type=int, default=20_000, help="sampled request pairs for layer selection")
+    ap.add_argument("--decode-overlap", choices=("counts", "profile"), default="counts",
+                    help="weighted Jaccard of raw decode counts, or of per-request count profiles (sum 1)")
+    ap.add_argument("--n-init", type=int, default=3)
+    ap.add_argument("--max-iter", type=int, default=50)
+    ap.add_argument("--tau", type=float, default=DEFAULT_TAU, help="default locality band stored in the artifact")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plot", default=None, help="PNG: 2D PCA map of signatures by label, centroids marked")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.clusters < 1:
+        ap.error(f"--clusters must be >= 1, got {args.clusters}")
+    if args.pairs < 1 or args.n_init < 1 or args.max_iter < 1:
+        ap.error("--pairs, --n-init and --max-iter must be >= 1")
+    if args.max_layers is not None and args.max_layers < 1:
+        ap.error(f"--max-layers must be >= 1, got {args.max_layers}")
+    if not (np.isfinite(args.tau) and args.tau >= 0.0):
+        ap.error(f"--tau must be >= 0 (2 or more = join-shortest-queue), got {args.tau}")
+    try:
+        return run(args)
+    except ValueError as exc:
+        ap.error(str(exc))
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    traces = load_traces(args.traces)
+    model = traces.model
+    print(f"loaded {len(traces)} requests of {model.name} (L={model.num_layers}, E={model.num_experts}, "
+          f"top-{model.top_k}); labels: {sorted(traces.labels) or 'none'}")
+    if args.clusters > len(traces):
+        raise ValueError(f"--clusters {args.clusters} exceeds the {len(traces)} requests in --traces")
+    builder = SignatureBuilder(args.variant).fit(traces)
+
+    if args.layers is not None:
+        layers = _parse_layers(args.layers, model.num_layers)
+        curve, reason = [], "layers given with --layers"
+    else:
+        limit = args.max_layers or model.num_layers
+        with tqdm(total=limit, desc="layer selection", unit="layer", file=sys.stderr) as bar:
+            def step(chosen: list[int], rho: float) -> None:
+                bar.update(1)
+                bar.set_postfix(rho=f"{rho:.4f}")
+
+            sel = select_layers(traces.prefill_counts, traces.decode_counts, args.variant, builder.idf_,
+                                n_pairs=args.pairs, max_layers=args.max_layers, min_gain=args.min_gain,
+                                random_state=args.seed, on_step=step,
+                                decode_profile=args.decode_overlap == "profile")
+        if not sel.layers:
+            raise ValueError(f"no layer raised the correlation by min_gain={args.min_gain} ({sel.stopped_because})")
+        layers, curve, reason = sel.layers, sel.curve, sel.stopped_because
+    builder = builder.with_layers(layers)
+    signatures = builder.transform(traces)
+
+    with tqdm(total=1, desc=f"balanced K-means (K={args.clusters}, n_init={args.n_init})", file=sys.stderr) as bar:
+        km = BalancedKMeans(args.clusters, n_init=args.n_init, max_iter=args.max_iter, random_state=args.seed)
+        km.fit(signatures)
+        bar.update(1)
+
+    sizes = np.bincount(km.labels_, minlength=args.clusters)
+    purity = {kind: label_purity(km.labels_, values) for kind, values in traces.labels.items()}
+    artifact = CalibrationArtifact(
+        model=model, variant=args.variant, layers=layers, idf=builder.selected_idf(),
+        centroids=km.cluster_centers_, tau=args.tau,
+        created=creation_info(len(traces), seed=args.seed, n_pairs=args.pairs, decode_overlap=args.decode_overlap),
+        extra={"layer_curve": [{"layers": l, "rho": round(r, 6)} for l, r in curve], "stopped_because": reason,
+               "cluster_sizes": sizes.tolist(), "purity": purity, "inertia": km.inertia_},
+    )
+    artifact.save(args.out)
+    print_summary(curve, reason, layers, sizes, purity, km.capacity_)
+    if args.plot:
+        plot_map(signatures, km, traces, args.plot, args.seed)
+        print(f"map written to {args.plot}")
+    print(f"artifact written to {args.out} ({artifact.checksum()[:19]}...) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _parse_layers(text: str, num_layers: int) -> list[int]:
+    try:
+        layers = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--layers must be comma-separated integers, got {text!r}") from None
+    bad = [l for l in layers if not 0 <= l < num_layers]
+    if not layers or bad or len(set(layers)) != len(layers):
+        raise ValueError(f"--layers {text!r}: need distinct layers in [0, {num_layers - 1}]")
+    return layers
+
+
+def label_purity(labels: np.ndarray, values: np.ndarray) -> dict:
+    """Share of requests whose cluster's majority label equals their own (unknown "" ignored)."""
+    known = values != ""
+    if not known.any():
+        return {"purity": None, "majority": {}}
+    names, codes = np.unique(values[known], return_inverse=True)
+    table = np.zeros((labels.max() + 1, len(names)), dtype=np.int64)
+    np.add.at(table, (labels[known], codes), 1)
+    majority = {int(k): str(names[table[k].argmax()]) for k in range(len(table)) if table[k].sum()}
+    return {"purity": float(table.max(axis=1).sum() / known.sum()), "majority": majority}
+
+
+def print_summary(curve, reason: str, layers: list[int], sizes: np.ndarray, purity: dict, capacity: int) -> None:
+    print("\nlayer selection (greedy):")
+    for chosen, rho in curve:
+        print(f"  +layer {chosen[-1]:>3d}  -> {len(chosen):>2d} layers  rho = {rho:.4f}")
+    print(f"  stopped: {reason}")
+    print(f"  selected layers: {layers}")
+    print(f"\ncluster sizes (capacity {capacity}): {sizes.tolist()}")
+    for kind, info in purity.items():
+        if info["purity"] is None:
+            continue
+        print(f"label purity [{kind}]: {info['purity']:.3f}  (cluster -> majority: "
+              + ", ".join(f"{k}:{v}" for k, v in info["majority"].items()) + ")")
+
+
+def plot_map(signatures: np.ndarray, km: BalancedKMeans, traces: TraceSet, path: str, seed: int,
+             max_points: int = 5000) -> None:
+    """PCA 2D of (a sample of) the signatures, one panel per label kind, centroids marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from sklearn.decomposition import PCA
+
+    rng = np.random.default_rng(seed)
+    idx = np.sort(rng.choice(len(signatures), min(max_points, len(signatures)), replace=False))
+    pca = PCA(n_components=2, random_state=seed).fit(signatures[idx])
+    points, centers = pca.transform(signatures[idx]), pca.transform(km.cluster_centers_)
+    kinds = sorted(traces.labels) or [None]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(6.5 * len(kinds), 5.5), squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        values = traces.labels[kind][idx] if kind else np.array(["all"] * len(idx))
+        for name in np.unique(values):
+            sel = values == name
+            ax.scatter(points[sel, 0], points[sel, 1], s=4, alpha=0.5, label=name or "(none)")
+        ax.legend(markerscale=3, fontsize=8, loc="best")
+        ax.scatter(centers[:, 0], centers[:, 1], marker="X", s=90, c="black", edgecolors="white")
+        ax.set_title(f"signatures by {kind or 'request'} (PCA; X = centroids)")
+    fig.suptitle(f"{traces.model.name}: {len(signatures)} signatures, K={km.n_clusters}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""The engine plugin inside real SGLang CPU servers, behind the real ELDR router.
+
+Shared cluster (conftest): 1 prefill (ELDR flags: artifact layers 1 and 3,
+publish to the router) + 2 decode servers, mooncake_tcp, late binding.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import TEST_ARTIFACT_LAYERS, greedy_generate
+from eldr_sglang.local_cluster import flush_cache, http_json, scrape_metrics
+
+pytestmark = pytest.mark.sglang
+
+PROMPTS = [
+    "Patients with chronic kidney disease often present with anemia and hypertension.",
+    "def quicksort(xs):\n    if len(xs) <= 1:\n        return xs",
+    "Le contrat de licence accorde au titulaire un droit non exclusif.",
+    "Solve for x: 3x + 7 = 22, then compute x squared.",
+]
+
+
+def route(router_url: str, prompt: str, max_new_tokens: int = 4) -> dict:
+    """Send one request through the router; return its routing decision."""
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
+    rid = http_json(router_url + "/generate", body, timeout=120)["meta_info"]["id"]
+    for decision in reversed(http_json(router_url + "/eldr/decisions?last=50")):
+        if rid in decision["rids"]:
+            return decision
+    raise AssertionError(f"no routing decision recorded for rid {rid}")
+
+
+@pytest.fixture(scope="module")
+def hf_topk_counts(fixture_model):
+    """Per-layer top-k expert counts of each prompt from transformers' own gates."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(fixture_model)
+    model = AutoModelForCausalLM.from_pretrained(fixture_model, dtype=torch.bfloat16)
+    top_k, n_exp = model.config.num_experts_per_tok, model.config.num_experts
+
+    def counts(prompt: str) -> tuple[int, np.ndarray]:
+        ids = tok(prompt).input_ids
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_router_logits=True)
+        rows = []
+        for layer in TEST_ARTIFACT_LAYERS:
+            top = out.router_logits[layer].float().topk(top_k, dim=-1).indices.flatten()
+            rows.append(np.bincount(top.numpy(), minlength=n_exp))
+        return len(ids), np.stack(rows)
+
+    return counts
+
+
+def test_signature_counts_equal_hf_gate_topk(eldr_router, hf_topk_counts):
+    for prompt in PROMPTS:
+        msg = route(eldr_router.url, prompt)["messages"][0]
+        n_tokens, expected = hf_topk_counts(prompt)
+        assert msg["layers"] == TEST_ARTIFACT_LAYERS
+        assert msg["prompt_tokens"] == n_tokens
+        np.testing.assert_array_equal(np.array(msg["counts"]), expected, err_msg=prompt)
+
+
+def test_prefix_cache_hit_signature_equals_cold_signature(eldr_router, pd_cluster):
+    prefill = pd_cluster.prefills[0][0]
+    base = "The committee reviewed the quarterly budget report and approved the new hiring plan"
+    route(eldr_router.url, base)  # caches the prefix
+    warm = route(eldr_router.url, base + " for the engineering department next year.")["messages"][0]
+    assert warm["cached_tokens"] > 0, "second request should hit the prefix cache"
+    flush_cache(prefill.url)
+    cold = route(eldr_router.url, base + " for the engineering department next year.")["messages"][0]
+    assert cold["cached_tokens"] == 0, "flush_cache should have emptied the prefix cache"
+    assert warm["prompt_tokens"] == cold["prompt_tokens"]
+    assert warm["counts"] == cold["counts"]
+
+
+def test_eldr_picks_the_decode_server_of_the_best_centroid(eldr_router, pd_cluster, test_artifact):
+    """tau = 0 in the test artifact: the best centroid's server, whatever the loads."""
+    art = json.loads(test_artifact.read_text())
+    idf, centroids = (np.frombuffer(base64.b64decode(art[k]["data"]), dtype=art[k]["dtype"]).reshape(art[k]["shape"])
+                      for k in ("idf", "centroids"))
+    decode_urls = [proc.url for proc, _ in pd_cluster.decodes]
+    for prompt in PROMPTS:
+        decision = route(eldr_router.url, prompt)
+        # recomputed here from the raw counts: IDF-weighted, L2-normalised, cosine to centroids
+        counts = np.array(decision["messages"][0]["counts"], dtype=np.float64)
+        vec = (counts * idf).flatten()
+        vec /= np.linalg.norm(vec)
+        best = int(np.argmax(centroids @ vec))
+        assert decision["decode"] == decode_urls[best], prompt
+
+
+def test_greedy_output_through_eldr_router_equals_hf(eldr_router, hf_greedy):
+    for prompt, expected in hf_greedy.items():
+        assert greedy_generate(eldr_router.url, prompt) == expected, prompt
+
+
+def test_decode_servers_report_unique_experts_per_step(eldr_router, pd_cluster):
+    route(eldr_router.url, PROMPTS[0], max_new_tokens=8)
+    steps = 0
+    for _, spec in pd_cluster.decodes:
+        m = scrape_metrics(spec.eldr_metrics_port)
+        steps += m["eldr_decode_steps_total"]
+        if m["eldr_decode_steps_total"]:
+            per_step = m["eldr_decode_unique_experts_per_step"]
+            # one or more requests per step: at least top_k per layer, at most every expert
+            assert 4 * 4 <= per_step <= 4 * 16, m
+    assert steps >= 7
+
+
+def test_bench_serving_through_eldr_router(eldr_router, fixture_model, tmp_path):
+    before = http_json(eldr_router.url + "/eldr/status")["counters"]
+    out = tmp_path / "bench.jsonl"
+    cmd = [
+        sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
+        "--base-url", eldr_router.url, "--model", str(fixture_model),
+        "--tokenizer", str(fixture_model), "--dataset-name", "random-ids",
+        "--random-input-len", "48", "--random-output-len", "8", "--num-prompts", "10",
+        "--request-rate", "inf", "--max-concurrency", "4", "--output-file", str(out),
+        "--disable-tqdm",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text().splitlines()[-1])
+    assert result["completed"] == 10, result
+    after = http_json(eldr_router.url + "/eldr/status")["counters"]
+    assert after.get("signatures_used", 0) - before.get("signatures_used", 0) >= 10
+    assert after.get("fallbacks", 0) == before.get("fallbacks", 0), after

@@ -1,0 +1,90 @@
+"""Engine plugin pieces that need no server: flags and the KV-slot expert table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from eldr_sglang.patches.flags import EngineConfig, FlagError, parse_eldr_flags, split_argv
+from eldr_sglang.radix_signature import ExpertSlotTable, kv_cache_fraction
+
+
+def test_split_argv_takes_only_eldr_flags():
+    ours, theirs = split_argv(["--model-path", "m", "--eldr-layers", "1,2", "--port", "1",
+                               "--eldr-publish=http://r:1/eldr/signature"])
+    assert ours == ["--eldr-layers", "1,2", "--eldr-publish=http://r:1/eldr/signature"]
+    assert theirs == ["--model-path", "m", "--port", "1"]
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--eldr-layrs", "1"], "unknown flag --eldr-layrs"),
+    (["--eldr-layers", "a,b"], "--eldr-layers"),
+    (["--eldr-layers", "1,1"], "distinct"),
+    (["--eldr-layers", "1", "--eldr-publish", "router:8000"], "--eldr-publish"),
+    (["--eldr-publish", "http://r:1/eldr/signature"], "needs --eldr-calibration"),
+    (["--eldr-calibration", "/no/such/file.json"], "no such file"),
+    (["--eldr-metrics-port", "http"], "--eldr-metrics-port"),
+    (["--eldr-layers"], "--eldr-layers: expected one argument"),
+])
+def test_bad_flags_are_refused_with_the_flag_named(argv, fragment):
+    with pytest.raises(FlagError, match=fragment):
+        parse_eldr_flags(argv)
+
+
+def test_corrupt_artifact_is_refused(tmp_path):
+    bad = tmp_path / "a.json"
+    bad.write_text('{"format": "eldr-calibration"}')
+    with pytest.raises(FlagError, match="--eldr-calibration"):
+        parse_eldr_flags(["--eldr-calibration", str(bad)])
+
+
+def test_config_round_trips_through_the_environment(tmp_path):
+    cfg = parse_eldr_flags(["--eldr-layers", "0,3", "--eldr-publish", "http://r:9/eldr/signature",
+                            "--eldr-metrics-port", "9100"])
+    assert cfg.active and cfg.layers == (0, 3)
+    assert EngineConfig.from_env({"ELDR_ENGINE_CONFIG": cfg.to_env()}) == cfg
+    assert not EngineConfig.from_env({}).active
+    assert parse_eldr_flags(["--eldr-trace-dir", str(tmp_path / "t")]).layers == "all"
+
+
+def test_launcher_stops_at_start_up_on_a_bad_eldr_flag(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", str(tmp_path),
+                           "--eldr-layers", "x"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "eldr-sglang: --eldr-layers" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_slot_table_counts_cached_plus_new_tokens_exactly():
+    rng = np.random.default_rng(0)
+    layers, n_exp, k = [1, 3], 16, 4
+    table = ExpertSlotTable(64, layers, n_exp, k)
+    ids = {l: torch.tensor(np.stack([rng.permutation(n_exp)[:k] for _ in range(10)])) for l in (0, 1, 2, 3)}
+    # first request: tokens 0..5 in slots 10..15; second: prefix (slots 10..15) + 4 new in 40..43
+    first, new = torch.arange(10, 16), torch.tensor([40, 41, 42, 43])
+    for l in (0, 1, 2, 3):
+        written = table.write(first, l, ids[l][:6])
+        assert written == (l in layers)
+        table.write(new, l, ids[l][6:])
+    got = table.counts(torch.cat([first, new])).numpy()
+    for col, l in enumerate(layers):
+        np.testing.assert_array_equal(got[col], np.bincount(ids[l].flatten().numpy(), minlength=n_exp))
+    assert got.sum() == 10 * k * len(layers)
+
+
+def test_slot_table_reused_slot_is_overwritten_and_shape_mismatch_is_ignored():
+    table = ExpertSlotTable(8, [0], 300, 2)  # > 256 experts: int16 ids
+    assert table.ids.dtype == torch.int16 and table.bytes_per_token == 4
+    table.write(torch.tensor([3]), 0, torch.tensor([[299, 5]]))
+    table.write(torch.tensor([3]), 0, torch.tensor([[7, 8]]))
+    assert table.counts(torch.tensor([3]))[0, [7, 8, 299]].tolist() == [1, 1, 0]
+    assert not table.write(torch.tensor([1, 2]), 0, torch.tensor([[1, 2]]))
+
+
+def test_kv_fraction_arithmetic():
+    # Qwen3-30B-A3B: 48 layers, 4 KV heads x 128, bf16 -> 98,304 B of KV per token
+    assert kv_cache_fraction(4 * 8, 48, 4, 128) == pytest.approx(32 / 98304)
