@@ -89,15 +89,23 @@ def eldr_router_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def pd_cluster(fixture_model: Path, test_artifact: Path, eldr_router_port: int, n_decode: int):
+def trace_dir(tmp_path_factory) -> Path:
+    """Where the shared cluster's servers write trace-mode logs."""
+    return tmp_path_factory.mktemp("eldr-trace")
+
+
+@pytest.fixture(scope="session")
+def pd_cluster(fixture_model: Path, test_artifact: Path, eldr_router_port: int, n_decode: int,
+               trace_dir: Path):
     """1 prefill + N decode SGLang CPU servers over mooncake_tcp, late binding
-    on, the ELDR plugin active: prefill captures the artifact's layers and
-    publishes to the ELDR router's port; every server serves plugin metrics."""
+    on, the ELDR plugin active: prefill publishes the artifact's layers to the
+    ELDR router's port; all servers run in trace mode and serve plugin metrics."""
+    trace = ["--eldr-trace-dir", str(trace_dir)]
     cluster = lc.start_pd_cluster(
         str(fixture_model), LOG_DIR, n_prefill=1, n_decode=n_decode, progress=_progress,
         prefill_args=["--eldr-calibration", str(test_artifact),
-                      "--eldr-publish", f"http://127.0.0.1:{eldr_router_port}/eldr/signature"],
-        eldr_metrics=True)
+                      "--eldr-publish", f"http://127.0.0.1:{eldr_router_port}/eldr/signature", *trace],
+        decode_args=trace, eldr_metrics=True)
     _started.extend(cluster.processes)
     try:
         yield cluster

@@ -10,11 +10,19 @@ As a script::
 
     python tests/stub_worker.py --role decode --port 30001 --latency 0.05 --stream-delay 0.01
 
-Failure knobs: ``latency`` (s before answering), ``fail_rate`` (share of requests
-answered HTTP ``fail_status``), ``hang`` (never answer until aborted),
-``send_signature=False`` (prefill never posts a signature), ``signature_delay``,
+Failure knobs (constructor args and CLI flags, in the spirit of vLLM's mock worker):
+``latency`` (s before answering), ``fail_first`` (the first N requests answer HTTP
+``fail_status``), ``fail_rate`` (share of requests answered ``fail_status``),
+``crash_on`` (the Nth request crashes the worker: ``crash_mode`` "drop" closes
+that connection without an answer, "stop" stops the whole server, "exit" ends the
+process -- the CLI default), ``hang`` (never answer until aborted),
+``send_signature=False`` / ``--no-signature`` (prefill never posts a signature),
+``signature_delay`` (slow publish), ``health_status`` (what ``/health`` answers),
 ``stream_chunks`` / ``stream_delay`` (slow SSE stream). It records every request
 body (``requests``), every aborted rid (``aborts``) and signature post (``signatures``).
+
+It also answers sglang-router (0.3.2, PD mode): ``/health``, ``/get_server_info``,
+``/get_model_info``, ``/v1/models``, and takes prefill/decode posts in any order.
 
 Prefill signatures: ``counts_fn(text) -> [n_sel][E]`` (default :func:`topic_counts`:
 a prompt containing ``topic:K`` activates experts of topic K on every layer).
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import re
 import zlib
@@ -94,6 +103,10 @@ class StubWorker:
         latency: float = 0.0,
         fail_rate: float = 0.0,
         fail_status: int = 500,
+        fail_first: int = 0,
+        crash_on: Optional[int] = None,
+        crash_mode: str = "drop",
+        health_status: int = 200,
         hang: bool = False,
         send_signature: bool = True,
         signature_url: Optional[str] = None,
@@ -109,6 +122,11 @@ class StubWorker:
         assert role in ("prefill", "decode")
         self.role, self.name = role, name or role
         self.latency, self.fail_rate, self.fail_status, self.hang = latency, fail_rate, fail_status, hang
+        assert crash_mode in ("drop", "stop", "exit")
+        self.fail_first, self.crash_on, self.crash_mode = fail_first, crash_on, crash_mode
+        self.health_status = health_status
+        self.served = 0  # generate requests received
+        self.health_checks = 0
         self.send_signature, self.signature_url = send_signature, signature_url
         self.signature_delay = signature_delay
         self.layers, self.num_experts = list(layers), num_experts
@@ -131,7 +149,7 @@ class StubWorker:
         for ep in ("/generate", "/v1/completions", "/v1/chat/completions"):
             app.router.add_post(ep, self.h_generate)
         app.router.add_post("/abort_request", self.h_abort)
-        app.router.add_get("/health", self.h_ok)
+        app.router.add_get("/health", self.h_health)
         app.router.add_get("/health_generate", self.h_ok)
         app.router.add_post("/flush_cache", self.h_ok)
         for p in ("/get_server_info", "/server_info"):
@@ -143,7 +161,8 @@ class StubWorker:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         self._session = aiohttp.ClientSession()
-        self._runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=0.5)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
@@ -152,16 +171,22 @@ class StubWorker:
         return self.url
 
     async def stop(self) -> None:
+        if self._runner is None:
+            return
         for t in list(self._tasks):
             t.cancel()
-        if self._runner:
-            await self._runner.cleanup()
+        runner, self._runner = self._runner, None
+        await runner.cleanup()
         if self._session:
             await self._session.close()
 
     # ------------------------------------------------------------------ handlers
     async def h_ok(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
+
+    async def h_health(self, request: web.Request) -> web.Response:
+        self.health_checks += 1
+        return web.Response(status=self.health_status)
 
     async def h_info(self, request: web.Request) -> web.Response:
         return web.json_response({"role": self.role, "name": self.name,
@@ -192,9 +217,26 @@ class StubWorker:
         except aiohttp.ClientError:
             pass
 
+    async def _crash(self, request: web.Request) -> web.StreamResponse:
+        if self.crash_mode == "exit":
+            os._exit(17)
+        if request.transport is not None:
+            request.transport.abort()  # connection dropped, no answer
+        if self.crash_mode == "stop" and self._runner is not None:
+            # like a killed process: every open connection drops, the port closes
+            server = self._runner.server
+            for conn in list(server.connections if server is not None else []):
+                if conn.transport is not None:
+                    conn.transport.abort()
+            self._stopper = asyncio.get_running_loop().create_task(self.stop())
+        raise asyncio.CancelledError()
+
     async def h_generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json(loads=orjson.loads)
         endpoint = request.path.lstrip("/")
+        self.served += 1
+        if self.crash_on is not None and self.served >= self.crash_on:
+            return await self._crash(request)
         self.requests.append({"endpoint": endpoint, **body})
         texts, is_batch = _items(body)
         n = len(texts)
@@ -207,7 +249,7 @@ class StubWorker:
             t = asyncio.get_running_loop().create_task(self._post_signature(msgs))
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
-        if self.fail_rate and self.rng.random() < self.fail_rate:
+        if self.served <= self.fail_first or (self.fail_rate and self.rng.random() < self.fail_rate):
             return web.json_response({"error": {"message": f"stub {self.name} failure"}},
                                      status=self.fail_status)
         ev = asyncio.Event()
@@ -259,6 +301,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--latency", type=float, default=0.0)
     p.add_argument("--fail-rate", type=float, default=0.0)
     p.add_argument("--fail-status", type=int, default=500)
+    p.add_argument("--fail-first", type=int, default=0, help="first N requests fail")
+    p.add_argument("--crash-on", type=int, help="the Nth request crashes the worker")
+    p.add_argument("--crash-mode", choices=("exit", "drop", "stop"), default="exit")
+    p.add_argument("--health-status", type=int, default=200)
     p.add_argument("--hang", action="store_true")
     p.add_argument("--no-signature", action="store_true", help="prefill never posts a signature")
     p.add_argument("--signature-url", help="router callback, e.g. http://127.0.0.1:8000/eldr/signature")
@@ -269,7 +315,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--stream-delay", type=float, default=0.0)
     a = p.parse_args(argv)
     w = StubWorker(a.role, name=a.name, latency=a.latency, fail_rate=a.fail_rate,
-                   fail_status=a.fail_status, hang=a.hang, send_signature=not a.no_signature,
+                   fail_status=a.fail_status, fail_first=a.fail_first, crash_on=a.crash_on,
+                   crash_mode=a.crash_mode, health_status=a.health_status, hang=a.hang, send_signature=not a.no_signature,
                    signature_url=a.signature_url, signature_delay=a.signature_delay,
                    layers=[int(x) for x in a.layers.split(",")], num_experts=a.num_experts,
                    stream_chunks=a.stream_chunks, stream_delay=a.stream_delay)

@@ -10,6 +10,7 @@ import base64
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -61,12 +62,20 @@ def hf_topk_counts(fixture_model):
 
 
 def test_signature_counts_equal_hf_gate_topk(eldr_router, hf_topk_counts):
+    """SGLang's and transformers' bf16 kernels round differently, so a token
+    whose k-th and (k+1)-th gate logits nearly tie may swap them: allow one
+    such swap per layer and prompt (an L1 difference of 2), nothing more."""
+    exact = 0
     for prompt in PROMPTS:
         msg = route(eldr_router.url, prompt)["messages"][0]
         n_tokens, expected = hf_topk_counts(prompt)
+        got = np.array(msg["counts"])
         assert msg["layers"] == TEST_ARTIFACT_LAYERS
         assert msg["prompt_tokens"] == n_tokens
-        np.testing.assert_array_equal(np.array(msg["counts"]), expected, err_msg=prompt)
+        assert (got.sum(axis=1) == n_tokens * 4).all(), "every token counts top-k = 4 experts per layer"
+        assert (np.abs(got - expected).sum(axis=1) <= 2).all(), (prompt, got, expected)
+        exact += bool((got == expected).all())
+    assert exact >= len(PROMPTS) // 2, "most prompts should match transformers exactly"
 
 
 def test_prefix_cache_hit_signature_equals_cold_signature(eldr_router, pd_cluster):
@@ -134,3 +143,25 @@ def test_bench_serving_through_eldr_router(eldr_router, fixture_model, tmp_path)
     after = http_json(eldr_router.url + "/eldr/status")["counters"]
     assert after.get("signatures_used", 0) - before.get("signatures_used", 0) >= 10
     assert after.get("fallbacks", 0) == before.get("fallbacks", 0), after
+
+
+def test_trace_mode_logs_join_into_calibration_traces(eldr_router, trace_dir, fixture_model, tmp_path):
+    for prompt in PROMPTS:
+        route(eldr_router.url, prompt, max_new_tokens=6)
+    time.sleep(1.0)  # trace lines are written by a background thread
+    out = tmp_path / "traces"
+    proc = subprocess.run([sys.executable, "tools/collect_traces.py", "--logs", str(trace_dir),
+                           "--model", str(fixture_model), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    from eldr_sglang.core import load_traces
+
+    traces = load_traces(out)
+    assert len(traces) >= len(PROMPTS)
+    assert traces.prefill_counts.shape[1:] == (4, 16)
+    # every prompt token picks top-k = 4 experts per layer; decode computes output_tokens - 1 tokens
+    np.testing.assert_array_equal(traces.prefill_counts.sum(axis=2), 4 * traces.prompt_tokens[:, None])
+    np.testing.assert_array_equal(traces.decode_counts.sum(axis=2), 4 * (traces.output_tokens[:, None] - 1))
+    assert traces.gate_prob_sums is not None and (traces.gate_prob_sums.sum(axis=2) <= traces.prompt_tokens[:, None] + 1e-3).all()
+    steps = [json.loads(line) for f in trace_dir.glob("steps-*.jsonl") for line in f.open()]
+    assert steps and all(4 <= u <= 16 for s in steps for u in s["unique_per_layer"])

@@ -3,6 +3,7 @@
 Every policy answers one question::
 
     policy.choose(request, loads, allowed=None) -> server index
+    policy.explain(request, loads, allowed=None) -> Decision (same pick + why)
 
 ``request`` is a :class:`RouteRequest` (optional unit signature vector, optional
 label), ``loads`` the in-flight request count per decode server (index order),
@@ -26,6 +27,7 @@ import numpy as np
 
 __all__ = [
     "RouteRequest",
+    "Decision",
     "Policy",
     "RandomPolicy",
     "RoundRobinPolicy",
@@ -47,6 +49,28 @@ class RouteRequest:
 
     signature: Optional[np.ndarray] = None
     label: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A pick and why (``Policy.explain``): same index ``choose()`` returns for the same
+    state. ``band``/similarities are only set by policies that score servers (eldr)."""
+
+    index: int
+    policy: str
+    reason: str = ""  # "band" | "no_signature" | "pick"
+    band: Optional[tuple[int, ...]] = None  # eldr: allowed servers within s* - tau
+    best_similarity: Optional[float] = None  # eldr: s*
+    server_similarities: Optional[np.ndarray] = None  # eldr: [N] max over owned centroids
+    centroid_similarities: Optional[np.ndarray] = None  # eldr: [K], centroid order
+
+    def top(self, n: int = 3) -> list[tuple[int, float]]:
+        """The ``n`` most similar servers as (index, similarity), best first."""
+        if self.server_similarities is None:
+            return []
+        s = self.server_similarities
+        order = np.argsort(-s, kind="stable")[:n]
+        return [(int(i), float(s[i])) for i in order]
 
 
 def _candidates(n: int, allowed: Optional[Sequence[bool]]) -> np.ndarray:
@@ -75,6 +99,15 @@ class Policy:
         allowed: Optional[Sequence[bool]] = None,
     ) -> int:
         raise NotImplementedError
+
+    def explain(
+        self,
+        request: RouteRequest,
+        loads: Sequence[int],
+        allowed: Optional[Sequence[bool]] = None,
+    ) -> Decision:
+        """Like :meth:`choose` (same pick, same state change) plus the reason."""
+        return Decision(self.choose(request, loads, allowed), self.name, "pick")
 
     def add_server(self) -> None:
         """A server was appended at the end of the server list."""
@@ -248,8 +281,7 @@ class CentroidOwnership:
 
     def server_similarity(self, signature: np.ndarray) -> np.ndarray:
         """[N] similarity per server: max cosine over the centroids it owns."""
-        sims = self.centroids @ signature  # [K]
-        return np.where(self.mask, sims[None, :], -np.inf).max(axis=1)
+        return self.gather(self.centroids @ signature)
 
     def as_lists(self) -> list[list[int]]:
         return [sorted(h) for h in self.homes]
@@ -260,6 +292,17 @@ class CentroidOwnership:
         for s, h in enumerate(self.homes):
             m[s, list(h)] = True
         self.mask = m
+        # gather form of the mask: server s owns flat[offsets[s]:offsets[s + 1]]
+        lists = [sorted(h) for h in self.homes]
+        self.single = all(len(h) == 1 for h in lists)
+        self.flat = np.array([k for h in lists for k in h], dtype=np.intp)
+        self.offsets = np.cumsum([0] + [len(h) for h in lists[:-1]]).astype(np.intp)
+
+    def gather(self, sims: np.ndarray) -> np.ndarray:
+        """[K] centroid similarities -> [N] per-server max over owned centroids."""
+        if self.single:
+            return sims[self.flat]
+        return np.maximum.reduceat(sims[self.flat], self.offsets)
 
     def _owner_count(self, k: int) -> int:
         return sum(k in h for h in self.homes)
@@ -357,10 +400,13 @@ class EldrPolicy(Policy):
         self.tau = float(tau)
         self.ownership = CentroidOwnership(centroids, num_servers)
         self.fallback = JSQPolicy(seed=seed)
+        self._C = np.ascontiguousarray(self.ownership.centroids, dtype=np.float32)
+        self._dim = int(self._C.shape[1])
+        self._sims = np.empty(self._C.shape[0], dtype=np.float32)  # reused by every choose()
 
     @property
     def dim(self) -> int:
-        return int(self.ownership.centroids.shape[1])
+        return self._dim
 
     def similarities(self, signature: np.ndarray) -> np.ndarray:
         sig = np.asarray(signature, dtype=np.float32).reshape(-1)
@@ -368,21 +414,52 @@ class EldrPolicy(Policy):
             raise ValueError(f"signature has {sig.shape[0]} dims, centroids have {self.dim}")
         return self.ownership.server_similarity(sig)
 
-    def choose(self, request, loads, allowed=None) -> int:
+    def _score(self, signature: np.ndarray) -> np.ndarray:
+        """[K] cosine to every centroid: one matvec into a preallocated buffer."""
+        sig = signature
+        if not (isinstance(sig, np.ndarray) and sig.dtype == np.float32 and sig.ndim == 1
+                and sig.flags.c_contiguous):
+            sig = np.ascontiguousarray(sig, dtype=np.float32).reshape(-1)
+        if sig.shape[0] != self._dim:
+            raise ValueError(f"signature has {sig.shape[0]} dims, centroids have {self._dim}")
+        return np.dot(self._C, sig, out=self._sims)
+
+    def _decide(self, request, loads, allowed):
+        """(index, band mask or None, server sims or None, s* or None); no Python loop
+        over servers. Same pick as the band rule in the class docstring."""
+        own = self.ownership
         n = len(loads)
-        if n != self.ownership.num_servers:
-            raise ValueError(f"{n} loads for {self.ownership.num_servers} servers")
+        if n != own.num_servers:
+            raise ValueError(f"{n} loads for {own.num_servers} servers")
         if request.signature is None:
-            return self.fallback.choose(request, loads, allowed)
-        cand = _candidates(n, allowed)                      # filter
-        sim_all = self.similarities(request.signature)      # score
-        sim = sim_all[cand]
-        band = cand[sim >= sim.max() - self.tau - _EPS]
-        bl = np.asarray(loads, dtype=np.int64)[band]        # pick
-        best = band[bl == bl.min()]
-        if best.size == 1:
-            return int(best[0])
-        return int(best[np.argmax(sim_all[best])])  # argmax: lowest index among equal
+            return self.fallback.choose(request, loads, allowed), None, None, None
+        ss = own.gather(self._score(request.signature))      # score: [N]
+        masked = ss
+        if allowed is not None:                                # filter
+            mask = np.asarray(allowed, dtype=bool)
+            if mask.shape != (n,):
+                raise ValueError(f"allowed mask has shape {mask.shape}, expected ({n},)")
+            if not mask.all() and mask.any():
+                masked = np.where(mask, ss, -np.inf)
+        best = masked.max()
+        band = masked >= best - self.tau - _EPS
+        bl = np.where(band, np.asarray(loads, dtype=np.int64), np.iinfo(np.int64).max)
+        winners = np.flatnonzero(bl == bl.min())               # pick: fewest in flight
+        if winners.size == 1:
+            idx = int(winners[0])
+        else:
+            idx = int(winners[np.argmax(ss[winners])])  # argmax: lowest index among equal
+        return idx, band, ss, float(best)
+
+    def choose(self, request, loads, allowed=None) -> int:
+        return self._decide(request, loads, allowed)[0]
+
+    def explain(self, request, loads, allowed=None) -> Decision:
+        idx, band, ss, best = self._decide(request, loads, allowed)
+        if band is None:
+            return Decision(idx, self.name, "no_signature")
+        return Decision(idx, self.name, "band", tuple(int(i) for i in np.flatnonzero(band)), best,
+                        ss.copy(), self._sims.copy())
 
     def add_server(self) -> None:
         self.ownership.add()

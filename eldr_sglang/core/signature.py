@@ -46,8 +46,13 @@ def smoothed_idf(doc_freq: np.ndarray, n_docs: int) -> np.ndarray:
 def l2_normalize(x: np.ndarray) -> np.ndarray:
     """Row-wise L2 normalisation of [..., D] as float32; zero rows stay zero."""
     x = np.asarray(x, dtype=np.float32)
-    norm = np.sqrt(np.einsum("...d,...d->...", x, x, dtype=np.float64)).astype(np.float32)[..., None]
-    return np.divide(x, norm, out=np.zeros_like(x), where=norm > 0)
+    flat = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
+    out = np.zeros_like(flat)
+    for s in range(0, flat.shape[0], 4096):  # float64 norms, blockwise (no [N, D] float64 copy)
+        block = flat[s:s + 4096]
+        norm = np.sqrt(np.einsum("nd,nd->n", block, block, dtype=np.float64)).astype(np.float32)[:, None]
+        np.divide(block, norm, out=out[s:s + 4096], where=norm > 0)
+    return out.reshape(x.shape)
 
 
 def weigh(values: np.ndarray, variant: str, idf: np.ndarray | None = None) -> np.ndarray:

@@ -16,6 +16,7 @@ TARGETS = {
     "select_experts": "sglang.srt.layers.moe.topk.select_experts",
     "disagg_prefill": "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin"
                       ".process_batch_result_disagg_prefill",
+    "release": "sglang.srt.mem_cache.common.release_kv_cache",
 }
 
 
@@ -46,3 +47,5 @@ def register_capture(config) -> None:
     HookRegistry.register(TARGETS["forward"], capture.forward_around, HookType.AROUND)
     HookRegistry.register(TARGETS["select_experts"], capture.select_experts_after, HookType.AFTER)
     HookRegistry.register(TARGETS["disagg_prefill"], capture.disagg_prefill_after, HookType.AFTER)
+    if config.trace_dir:
+        HookRegistry.register(TARGETS["release"], capture.release_before, HookType.BEFORE)

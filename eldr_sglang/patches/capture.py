@@ -21,7 +21,6 @@ stock SGLang.
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -58,7 +57,13 @@ class CaptureState:
     failed: set = field(default_factory=set)
     publisher: object | None = None
     trace_writer: object | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    # trace mode only, indexed by request-pool row: decode expert counts
+    # [rows, layers, experts] and prefill gate sums (softmax probs, raw logits)
+    decode_acc: torch.Tensor | None = None
+    gate_prob: torch.Tensor | None = None
+    gate_logit: torch.Tensor | None = None
+    publish_layers: list[int] = field(default_factory=list)
+    publish_columns: torch.Tensor | None = None
 
     def fail_once(self, where: str, exc: BaseException) -> None:
         if where not in self.failed:
@@ -77,6 +82,7 @@ def model_dims(model_runner) -> tuple[int, int, int]:
 
 
 def _selected_layers(config: EngineConfig, num_layers: int) -> list[int]:
+    """Layers whose counts are published (the artifact's, or --eldr-layers)."""
     if config.calibration:
         from eldr_sglang.core.artifact import load_artifact
 
@@ -86,6 +92,15 @@ def _selected_layers(config: EngineConfig, num_layers: int) -> list[int]:
     return list(config.layers or ())
 
 
+def _tp_rank() -> int:
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().tp_rank)
+    except Exception:
+        return 0
+
+
 def _init(state: CaptureState, model_runner) -> None:
     num_layers, num_experts, top_k = model_dims(model_runner)
     try:
@@ -93,23 +108,33 @@ def _init(state: CaptureState, model_runner) -> None:
     except FlagError as exc:
         raise RuntimeError(str(exc)) from None
     device = model_runner.device
-    layers = _selected_layers(state.config, num_layers)
+    state.publish_layers = _selected_layers(state.config, num_layers)
+    # trace mode keeps every layer (then only the selected ones are published)
+    layers = list(range(num_layers)) if state.config.trace_dir else state.publish_layers
     if layers:
         pool = model_runner.token_to_kv_pool
         num_slots = pool.size + getattr(pool, "page_size", 1)
         state.table = ExpertSlotTable(num_slots, layers, num_experts, top_k, device=device)
+        state.publish_columns = torch.tensor([layers.index(l) for l in state.publish_layers], device=device)
         logger.info("eldr-sglang: capturing layers %s: %d B per KV slot (%d slots)",
                     layers, state.table.bytes_per_token, num_slots)
     state.decode.unique_total = torch.zeros((), dtype=torch.int64, device=device)
     state.decode.active = torch.zeros((num_layers, num_experts), dtype=torch.bool, device=device)
+    if _tp_rank() != 0:  # with TP/EP > 1, rank 0 alone publishes and writes traces
+        state.ready = True
+        return
     if state.config.publish and state.table is not None:
         from eldr_sglang.patches.publish import SignaturePublisher
 
         state.publisher = SignaturePublisher(state.config.publish, timeout=state.config.publish_timeout)
-    if state.config.trace_dir and state.table is not None:
-        from eldr_sglang.patches.trace_log import PrefillTraceLog
+    if state.config.trace_dir:
+        from eldr_sglang.patches.trace_log import TraceLog
 
-        state.trace_writer = PrefillTraceLog(state.config.trace_dir)
+        state.trace_writer = TraceLog(state.config.trace_dir)
+        rows = model_runner.req_to_token_pool.size + 1
+        state.decode_acc = torch.zeros((rows, num_layers, num_experts), dtype=torch.int32, device=device)
+        state.gate_prob = torch.zeros((rows, num_layers, num_experts), dtype=torch.float32, device=device)
+        state.gate_logit = torch.zeros_like(state.gate_prob)
     if state.config.metrics_port:
         from eldr_sglang.patches.metrics import serve_metrics
 
@@ -136,6 +161,9 @@ def forward_around(original, model_runner, forward_batch, *args, **kwargs):
             if state.ready and mode.is_decode():
                 d = state.decode
                 d.unique_total += d.active.sum()
+                if state.trace_writer is not None:
+                    state.trace_writer.write("steps", {"batch_size": int(forward_batch.batch_size),
+                                                       "unique_per_layer": d.active.sum(dim=1).tolist()})
                 d.active.zero_()
                 d.steps += 1
                 d.tokens += int(forward_batch.batch_size)
@@ -151,14 +179,36 @@ def select_experts_after(result, *args, layer_id=None, **kwargs):
     try:
         topk_ids = result.topk_ids
         mode = fb.forward_mode
-        if mode.is_extend() and state.table is not None:
-            state.table.write(fb.out_cache_loc, layer_id, topk_ids)
+        if mode.is_extend():
+            if state.table is not None:
+                state.table.write(fb.out_cache_loc, layer_id, topk_ids)
+            if state.gate_prob is not None:
+                _add_gate_sums(state, fb, layer_id, args, kwargs)
         elif mode.is_decode():
             n = fb.batch_size
-            state.decode.active[layer_id].index_fill_(0, topk_ids[:n].flatten().long(), True)
+            ids = topk_ids[:n].long()
+            state.decode.active[layer_id].index_fill_(0, ids.flatten(), True)
+            if state.decode_acc is not None:
+                rows = fb.req_pool_indices[:n].long().repeat_interleave(ids.shape[1])
+                layer = torch.full_like(rows, layer_id)
+                state.decode_acc.index_put_((rows, layer, ids.flatten()),
+                                            torch.ones_like(rows, dtype=torch.int32), accumulate=True)
     except Exception as exc:
         state.fail_once("select_experts capture", exc)
     return result
+
+
+def _add_gate_sums(state: CaptureState, fb, layer_id: int, args, kwargs) -> None:
+    """Sum the gate's softmax probabilities and raw logits over each request's
+    newly computed prompt tokens (trace mode; cached tokens are not included)."""
+    logits = kwargs.get("router_logits", args[1] if len(args) > 1 else None)
+    if logits is None or fb.extend_seq_lens is None:
+        return
+    n_tok = int(fb.out_cache_loc.shape[0])
+    logits = logits[:n_tok].float()
+    rows = fb.req_pool_indices.long().repeat_interleave(fb.extend_seq_lens.long(), output_size=n_tok)
+    state.gate_prob[:, layer_id].index_add_(0, rows, torch.softmax(logits, dim=-1))
+    state.gate_logit[:, layer_id].index_add_(0, rows, logits)
 
 
 def prompt_counts(scheduler, req, table: ExpertSlotTable) -> torch.Tensor:
@@ -190,11 +240,37 @@ def disagg_prefill_after(result, scheduler, batch, *args, **kwargs):
             if req.bootstrap_room is None or getattr(req, "kv", None) is None or req.kv.req_pool_idx is None:
                 continue
             counts = prompt_counts(scheduler, req, state.table)
-            msg = signature_message(req, counts, state.table.layers)
             if state.publisher is not None:
-                state.publisher.submit(msg)
+                published = counts.index_select(0, state.publish_columns)
+                state.publisher.submit(signature_message(req, published, state.publish_layers))
             if state.trace_writer is not None:
-                state.trace_writer.prefill(msg)
+                row = req.kv.req_pool_idx
+                state.trace_writer.write("prefill", {
+                    **signature_message(req, counts, state.table.layers), "gate_prob_sums": state.gate_prob[row].cpu().tolist(),
+                    "gate_logit_sums": state.gate_logit[row].cpu().tolist()})
+                state.gate_prob[row] = 0
+                state.gate_logit[row] = 0
     except Exception as exc:
         state.fail_once("signature publishing", exc)
     return result
+
+
+def release_before(req, *args, **kwargs):
+    """BEFORE ``mem_cache.common.release_kv_cache``: a finished request's
+    decode expert counts (trace mode) are written and its row cleared."""
+    state = STATE
+    if state is None or state.decode_acc is None:
+        return None
+    try:
+        row = req.kv.req_pool_idx if getattr(req, "kv", None) is not None else None
+        if row is not None and not str(req.rid).startswith(HEALTH_CHECK_PREFIX):
+            counts = state.decode_acc[row]
+            if int(counts.sum()) > 0:
+                state.trace_writer.write("decode", {
+                    "rid": req.rid, "bootstrap_room": req.bootstrap_room,
+                    "prompt_tokens": len(req.origin_input_ids), "output_tokens": len(req.output_ids),
+                    "decode_counts": counts.cpu().tolist()})
+                counts.zero_()
+    except Exception as exc:
+        state.fail_once("decode trace", exc)
+    return None

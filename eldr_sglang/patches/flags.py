@@ -143,7 +143,7 @@ def parse_eldr_flags(argv: list[str]) -> EngineConfig:
         Path(ns.trace_dir).mkdir(parents=True, exist_ok=True)
         kw["trace_dir"] = str(Path(ns.trace_dir).resolve())
         if ns.calibration is None and ns.layers is None:
-            kw["layers"] = "all"  # trace mode records every layer
+            kw["layers"] = "all"  # nothing to publish: trace only
     if ns.publish_timeout is not None:
         try:
             kw["publish_timeout"] = float(ns.publish_timeout)

@@ -1,9 +1,17 @@
-"""Trace mode (``--eldr-trace-dir``): the prefill-side expert counts of every
-request, one JSON line each, in ``<dir>/prefill-<pid>.jsonl``.
+"""Trace mode (``--eldr-trace-dir``): JSON lines per server process.
 
-Lines carry the same fields as the signature message (rid, bootstrap_room,
-prompt_tokens, cached_tokens, layers, counts). Writes happen on a daemon
-thread; the scheduler only enqueues.
+* ``prefill-<pid>.jsonl`` (PD prefill servers): the signature message fields
+  (rid, bootstrap_room, prompt_tokens, cached_tokens, layers, counts) plus
+  ``gate_prob_sums`` and ``gate_logit_sums`` [L, E] over the request's newly
+  computed prompt tokens;
+* ``decode-<pid>.jsonl`` (decode servers): rid, bootstrap_room, prompt_tokens,
+  output_tokens, ``decode_counts`` [L, E];
+* ``steps-<pid>.jsonl`` (decode servers): batch size and distinct experts per
+  layer of every decode step.
+
+``python tools/collect_traces.py`` joins them by rid into the calibration
+core's trace shards. Writes happen on a daemon thread; the scheduler only
+enqueues.
 """
 
 from __future__ import annotations
@@ -14,17 +22,20 @@ import queue
 import threading
 from pathlib import Path
 
+KINDS = ("prefill", "decode", "steps")
 
-class PrefillTraceLog:
+
+class TraceLog:
     def __init__(self, directory: str):
-        self.path = Path(directory) / f"prefill-{os.getpid()}.jsonl"
-        self.queue: queue.Queue[dict] = queue.Queue()
+        self.directory = Path(directory)
+        self.queue: queue.Queue[tuple[str, dict]] = queue.Queue()
         threading.Thread(target=self._run, name="eldr-trace", daemon=True).start()
 
-    def prefill(self, message: dict) -> None:
-        self.queue.put_nowait(message)
+    def write(self, kind: str, record: dict) -> None:
+        self.queue.put_nowait((kind, record))
 
     def _run(self) -> None:
-        with open(self.path, "a", buffering=1) as f:
-            while True:
-                f.write(json.dumps(self.queue.get()) + "\n")
+        files = {k: open(self.directory / f"{k}-{os.getpid()}.jsonl", "a", buffering=1) for k in KINDS}
+        while True:
+            kind, record = self.queue.get()
+            files[kind].write(json.dumps(record) + "\n")

@@ -4,21 +4,29 @@ Example::
 
     python -m eldr_sglang.router --prefill http://p0:30000 8998 --decode http://d0:30001 \\
         --decode http://d1:30002 --policy eldr --calibration artifact.json --port 8000
+
+``--config FILE`` (YAML or JSON) takes the same keys as the flags (``signature-timeout``
+or ``signature_timeout``); flags given on the command line win. ``prefill`` is a
+list of "URL [PORT]" strings or [URL, PORT] pairs, ``decode`` a list of URLs.
+SIGTERM/SIGINT drain: new requests get 503, in-flight ones finish (up to
+``--drain-timeout``), then the process exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
+import signal
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 from aiohttp import web
 
 from eldr_sglang.core.policies import POLICY_NAMES
-from eldr_sglang.router.app import Router
+from eldr_sglang.router.app import Router, start_router
 from eldr_sglang.router.signatures import load_calibration
 
 
@@ -31,12 +39,13 @@ def _prefill_arg(values: list[str]) -> tuple[str, Optional[int]]:
     return values[0], port
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eldr_sglang.router", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prefill", nargs="+", action="append", required=True,
+    p.add_argument("--config", help="YAML or JSON file with the same keys as these flags")
+    p.add_argument("--prefill", nargs="+", action="append",
                    metavar=("URL", "BOOTSTRAP_PORT"), help="prefill server URL [bootstrap port]; repeat")
-    p.add_argument("--decode", action="append", required=True, metavar="URL",
+    p.add_argument("--decode", action="append", metavar="URL",
                    help="decode server URL; repeat (order = calibration cluster order)")
     p.add_argument("--policy", default="eldr",
                    choices=sorted(set(POLICY_NAMES) | {"rr", "power_of_two"}))
@@ -46,18 +55,100 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="seconds to wait for a prefill signature before falling back to JSQ")
     p.add_argument("--signature-ttl", type=float, default=30.0,
                    help="seconds an early (unclaimed) signature message is kept")
+    p.add_argument("--signature-buffer", type=int, default=4096,
+                   help="max early (unclaimed) signature messages kept, oldest dropped first")
     p.add_argument("--label-field", help="body field holding the request label (domain policy); "
                    "removed before forwarding")
     p.add_argument("--label-header", help="HTTP header holding the request label (domain policy)")
     p.add_argument("--domain-map", help="JSON (inline or file): label -> [decode index or URL, ...]")
+    p.add_argument("--health-interval", type=float, default=10.0,
+                   help="seconds between active GET /health checks of every worker (0: off)")
+    p.add_argument("--health-timeout", type=float, default=5.0, help="health check timeout (s)")
+    p.add_argument("--health-failures", type=int, default=2,
+                   help="consecutive failed health checks that take a worker out")
     p.add_argument("--health-cooldown", type=float, default=10.0,
-                   help="seconds a server that refused connections is skipped")
+                   help="seconds a worker's circuit breaker stays open before a trial request")
+    p.add_argument("--breaker-threshold", type=int, default=5,
+                   help="consecutive request failures that open a worker's circuit breaker "
+                   "(a refused connection opens it at once)")
     p.add_argument("--request-timeout", type=float, default=1800.0)
+    p.add_argument("--max-body-mb", type=float, default=32.0,
+                   help="largest accepted request body (MiB); larger gets 413")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds to let in-flight requests finish")
+    p.add_argument("--admin-token", help="require 'Authorization: Bearer TOKEN' on admin "
+                   "endpoints (default: admin endpoints answer loopback clients only)")
+    p.add_argument("--log-decisions", action="store_true",
+                   help="log every routing decision at INFO (otherwise DEBUG)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info")
+    return p
+
+
+def _load_config(path: str) -> dict:
+    with open(path) as f:
+        text = f.read()
+    if path.endswith((".yaml", ".yml")):
+        import yaml  # PyYAML, only needed for YAML configs
+
+        data = yaml.safe_load(text)
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            import yaml
+
+            data = yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: config must be a mapping of flag names to values")
+    return data
+
+
+def _config_defaults(p: argparse.ArgumentParser, cfg: dict) -> dict[str, Any]:
+    """Config keys -> argparse defaults (validated like the flags)."""
+    actions = {a.dest: a for a in p._actions if a.dest not in ("help", "config")}
+    out: dict[str, Any] = {}
+    for key, value in cfg.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        if dest not in actions:
+            raise ValueError(f"unknown config key {key!r}")
+        a = actions[dest]
+        if dest == "prefill":
+            items = value if isinstance(value, list) else [value]
+            value = [str(v).split() if isinstance(v, str) else [str(x) for x in v] for v in items]
+        elif dest == "decode":
+            value = [str(v) for v in (value if isinstance(value, list) else [value])]
+        elif dest == "domain_map" and isinstance(value, dict):
+            value = json.dumps(value)
+        elif value is not None and a.type is not None:
+            value = a.type(value)
+        if a.choices is not None and value not in a.choices:
+            raise ValueError(f"config key {key!r}: {value!r} not in {sorted(a.choices)}")
+        out[dest] = value
+    return out
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = build_parser()
+    pre, _ = p.parse_known_args(argv)
+    lists: dict[str, Any] = {}
+    if pre.config:
+        try:
+            defaults = _config_defaults(p, _load_config(pre.config))
+        except (OSError, ValueError, TypeError) as e:
+            p.error(f"--config {pre.config}: {e}")
+        # repeatable flags would append to a default: the config's lists apply only
+        # when the command line gives none
+        lists = {k: defaults.pop(k) for k in ("prefill", "decode") if k in defaults}
+        p.set_defaults(**defaults)
     args = p.parse_args(argv)
+    for k, v in lists.items():
+        if not getattr(args, k):
+            setattr(args, k, v)
+    if not args.prefill or not args.decode:
+        p.error("need --prefill and --decode (on the command line or in --config)")
     try:
         args.prefill = [_prefill_arg(v) for v in args.prefill]
     except (argparse.ArgumentTypeError, ValueError) as e:
@@ -83,8 +174,29 @@ def build_router(args: argparse.Namespace) -> Router:
         domain_map=_load_json(args.domain_map) if args.domain_map else None,
         label_field=args.label_field, label_header=args.label_header,
         signature_timeout=args.signature_timeout, signature_ttl=args.signature_ttl,
-        health_cooldown=args.health_cooldown, request_timeout=args.request_timeout,
-        seed=args.seed)
+        signature_buffer=args.signature_buffer,
+        health_cooldown=args.health_cooldown, health_interval=args.health_interval,
+        health_timeout=args.health_timeout, health_failures=args.health_failures,
+        breaker_threshold=args.breaker_threshold, request_timeout=args.request_timeout,
+        max_body_mb=args.max_body_mb, admin_token=args.admin_token,
+        log_decisions=args.log_decisions, calibration_path=args.calibration, seed=args.seed)
+
+
+async def serve(router: Router, host: str, port: int, drain_timeout: float) -> None:
+    """Serve until SIGTERM/SIGINT, then drain: 503 for new work, finish in-flight, exit."""
+    runner, bound = await start_router(router, host, port)
+    log = logging.getLogger("eldr_sglang.router")
+    log.info("listening on %s:%d", host, bound)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        finished = await router.drain(drain_timeout)
+        log.warning("drained (%s); exiting", "all requests finished" if finished else "timeout")
+    finally:
+        await runner.cleanup()
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -98,8 +210,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     logging.getLogger("eldr_sglang.router").info(
         "policy=%s tau=%s prefill=%s decode=%s", args.policy, router.tau,
         [s.url for s in router.prefills], [s.url for s in router.decodes])
-    web.run_app(router.build_app(), host=args.host, port=args.port,
-                handler_cancellation=True, access_log=None, print=None)
+    asyncio.run(serve(router, args.host, args.port, args.drain_timeout))
 
 
 if __name__ == "__main__":

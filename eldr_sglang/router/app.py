@@ -18,11 +18,23 @@ One request, in the spirit of sglang_router's MiniLoadBalancer but late-binding:
 Policies that need no signature take the same path and pick at once (no wait).
 A batch is routed as a whole by the normalised sum of its items' signatures.
 Client disconnect aborts the rid(s) on both servers (``/abort_request``).
+
+Reliability: active health checks (``GET /health`` every ``health_interval`` s;
+``health_failures`` misses take a worker out, one success brings it back); a
+per-worker circuit breaker (a refused connection, or ``breaker_threshold``
+consecutive failures, opens it for ``health_cooldown`` s; then half-open: one
+trial request closes or re-opens it); retries only for refused connections (the
+worker never saw the request): prefill when the decode has not been sent yet,
+decode never after a decode server received the request (a room binds once);
+graceful drain (``drain()``: new work gets 503, in-flight requests finish).
+Admin endpoints (``POST /eldr/servers``, ``POST /eldr/calibration``) are
+loopback-only, or need ``Authorization: Bearer <admin_token>`` when one is set.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import ipaddress
 import logging
 import random
@@ -39,12 +51,14 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from eldr_sglang.core.policies import RouteRequest, least_loaded, make_policy
-from eldr_sglang.router.metrics import RouterMetrics
+from eldr_sglang.core.policies import Decision, RouteRequest, least_loaded, make_policy
+from eldr_sglang.router.metrics import BREAKER_STATES, RouterMetrics
 from eldr_sglang.router.signatures import (SignatureBoard, SignatureEncoder, SignatureError,
-                                           combine, parse_message)
+                                           combine, load_calibration, parse_message)
 
 logger = logging.getLogger("eldr_sglang.router")
+decision_logger = logging.getLogger("eldr_sglang.router.decisions")
+WORK_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
 
 CHUNK = 64 * 1024
 JSON = "application/json"
@@ -70,7 +84,7 @@ def _host_of(url: str) -> str:
 
 @dataclass(eq=False)
 class Server:
-    """One upstream SGLang server and its passive-health / load state."""
+    """One upstream SGLang server: load, active-health and circuit-breaker state."""
 
     url: str
     role: str
@@ -78,7 +92,12 @@ class Server:
     inflight: int = 0
     requests: int = 0
     failures: int = 0
-    unhealthy_until: float = 0.0
+    alive: bool = True  # verdict of the active health checks
+    health_misses: int = 0  # consecutive failed health checks
+    consecutive_failures: int = 0  # consecutive failed requests (breaker input)
+    breaker: str = "closed"  # closed | open | half_open
+    open_until: float = 0.0
+    trial: bool = False  # half-open: the one trial request is in flight
     host: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -86,11 +105,19 @@ class Server:
         self.host = _host_of(self.url)
 
     def healthy(self, now: float) -> bool:
-        return now >= self.unhealthy_until
+        """May be picked now: health checks pass and the breaker lets a request through."""
+        if not self.alive:
+            return False
+        if self.breaker == "closed":
+            return True
+        if self.breaker == "open" and now < self.open_until:
+            return False
+        return not self.trial  # half-open (or open past its cooldown): one trial at a time
 
     def describe(self, now: float) -> dict:
         return {"url": self.url, "inflight": self.inflight, "requests": self.requests,
-                "failures": self.failures, "healthy": self.healthy(now),
+                "failures": self.failures, "healthy": self.healthy(now), "alive": self.alive,
+                "breaker": self.breaker, "consecutive_failures": self.consecutive_failures,
                 **({"bootstrap_port": self.bootstrap_port} if self.role == "prefill" else {})}
 
 
@@ -105,9 +132,28 @@ class PrefillResult:
         return self.status == 200
 
 
+class _Flight:
+    """One client request on its way: body, chosen prefill, the bytes sent upstream."""
+
+    __slots__ = ("body", "n", "prefill", "payload", "decode_sent")
+
+    def __init__(self, body: dict, n: Optional[int]) -> None:
+        self.body, self.n = body, n
+        self.decode_sent = False
+
+    def set_prefill(self, p: "Server") -> None:
+        n, body = self.n, self.body
+        self.prefill = p
+        body["bootstrap_host"] = [p.host] * n if n else p.host
+        body["bootstrap_port"] = [p.bootstrap_port] * n if n else p.bootstrap_port
+        self.payload = orjson.dumps(body)
+
+
 def batch_size(body: dict) -> Optional[int]:
     """None for a single /generate request, else the batch length; ValueError if malformed."""
     text, ids = body.get("text"), body.get("input_ids")
+    if text is not None and ids is not None:
+        raise ValueError("give only one of 'text' and 'input_ids'")  # as SGLang does
     if text is not None:
         if isinstance(text, str):
             return None
@@ -150,9 +196,18 @@ class Router:
         label_header: Optional[str] = None,
         signature_timeout: float = 30.0,
         signature_ttl: float = 30.0,
+        signature_buffer: int = 4096,
         health_cooldown: float = 10.0,
+        health_interval: float = 10.0,
+        health_timeout: float = 5.0,
+        health_failures: int = 2,
+        breaker_threshold: int = 5,
         request_timeout: float = 1800.0,
         connect_timeout: float = 5.0,
+        max_body_mb: float = 32.0,
+        admin_token: Optional[str] = None,
+        log_decisions: bool = False,
+        calibration_path: Optional[str] = None,
         seed: Optional[int] = 0,
     ) -> None:
         if not prefill or not decode:
@@ -160,7 +215,22 @@ class Router:
         self.prefills = [Server(u, "prefill", p) for u, p in prefill]
         self.decodes = [Server(u, "decode") for u in decode]
         self.encoder = SignatureEncoder(artifact) if artifact is not None else None
+        self.tau_override = tau
         self.tau = tau if tau is not None else (self.encoder.tau if self.encoder else 0.1)
+        self.seed = seed
+        self.calibration_path = calibration_path
+        self.health_interval = health_interval
+        self.health_timeout = health_timeout
+        self.health_failures = max(1, int(health_failures))
+        self.breaker_threshold = max(1, int(breaker_threshold))
+        self.max_body = int(max_body_mb * 1024 * 1024)
+        self.admin_token = admin_token or None
+        self.decision_level = logging.INFO if log_decisions else logging.DEBUG
+        self.draining = False
+        self.active = 0  # client requests being served
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.last_layers: Optional[list[int]] = None  # layers of the last signature message
         self.policy_name = policy
         self.policy = make_policy(
             policy, len(self.decodes), tau=self.tau, seed=seed,
@@ -170,7 +240,7 @@ class Router:
         self.signature_timeout = signature_timeout
         self.health_cooldown = health_cooldown
         self.timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=connect_timeout)
-        self.board = SignatureBoard(ttl=signature_ttl)
+        self.board = SignatureBoard(ttl=signature_ttl, max_buffered=signature_buffer)
         self.decisions: deque[dict] = deque(maxlen=256)  # recent routing decisions, for /eldr/decisions
         self.metrics = RouterMetrics()
         self.counters: Counter[str] = Counter()
@@ -204,26 +274,50 @@ class Router:
     def _gauge(self, s: Server) -> None:
         self.metrics.inflight.labels(s.role, s.url).set(s.inflight)
         self.metrics.healthy.labels(s.role, s.url).set(int(s.healthy(time.monotonic())))
+        self.metrics.breaker.labels(s.role, s.url).set(BREAKER_STATES[s.breaker])
 
     def _enter(self, s: Server) -> None:
         s.inflight += 1
         s.requests += 1
+        if s.breaker != "closed":  # past its cooldown: this request is the half-open trial
+            s.breaker, s.trial = "half_open", True
+        self.metrics.worker_requests.labels(s.role, s.url).inc()
         self._gauge(s)
 
     def _leave(self, s: Server) -> None:
         s.inflight -= 1
         self._gauge(s)
 
-    def _failed(self, s: Server, why: str, down: bool) -> None:
-        """Count a failure; ``down`` (connection-level) also starts a health cooldown."""
+    def _open_breaker(self, s: Server, why: str) -> None:
+        if s.breaker != "open":
+            self._count(f"{s.role}_breaker_opened")
+            logger.warning("%s %s: circuit breaker open for %.1fs (%s)", s.role, s.url,
+                           self.health_cooldown, why)
+        s.breaker, s.trial = "open", False
+        s.open_until = time.monotonic() + self.health_cooldown
+
+    def _failed(self, s: Server, why: str, down: bool, kind: str = "http_5xx") -> None:
+        """Count a worker failure. ``down`` (connection-level) opens the breaker at
+        once; otherwise ``breaker_threshold`` consecutive failures (or a failed
+        half-open trial) do."""
         s.failures += 1
+        s.consecutive_failures += 1
         self._count(f"{s.role}_failures")
         self.metrics.upstream_failures.labels(s.role, s.url).inc()
+        self.metrics.worker_errors.labels(s.role, s.url, kind).inc()
         if down:
-            s.unhealthy_until = time.monotonic() + self.health_cooldown
             self._count(f"{s.role}_marked_unhealthy")
+        if down or s.breaker != "closed" or s.consecutive_failures >= self.breaker_threshold:
+            self._open_breaker(s, why)
         self._gauge(s)
         logger.warning("%s %s failed: %s", s.role, s.url, why)
+
+    def _success(self, s: Server) -> None:
+        s.consecutive_failures = 0
+        if s.breaker != "closed":
+            logger.info("%s %s: circuit breaker closed", s.role, s.url)
+            s.breaker, s.trial = "closed", False
+            self._gauge(s)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
@@ -239,38 +333,67 @@ class Router:
         return None
 
     # ---------------------------------------------------------------- selection
-    def pick_prefill(self) -> Server:
-        """Least in-flight healthy prefill; ties go round robin."""
+    def pick_prefill(self, exclude: set[int] = frozenset()) -> Optional[Server]:
+        """Least in-flight healthy prefill; ties go round robin. ``exclude``: ids of
+        servers already tried (then None when none is left)."""
         now = time.monotonic()
         n = len(self.prefills)
         order = [self.prefills[(self._rr + i) % n] for i in range(n)]
         self._rr = (self._rr + 1) % n
+        if exclude:
+            order = [s for s in order if id(s) not in exclude]
+            if not order:
+                return None
         pool = [s for s in order if s.healthy(now)] or order
         return min(pool, key=lambda s: s.inflight)
 
     def pick_decode(self, req: RouteRequest, exclude: set[int] = frozenset()) -> Server:
+        return self.decide(req, exclude)[0]
+
+    def decide(self, req: RouteRequest, exclude: set[int] = frozenset(),
+               rids: Sequence[str] = ()) -> tuple[Server, Decision]:
+        """Pick the decode server with ``policy.explain`` (same pick as ``choose``)."""
         now = time.monotonic()
-        loads = [d.inflight for d in self.decodes]
-        allowed = [d.healthy(now) and i not in exclude for i, d in enumerate(self.decodes)]
+        decodes = self.decodes
+        loads = [d.inflight for d in decodes]
+        allowed = [d.healthy(now) and i not in exclude for i, d in enumerate(decodes)]
         if not any(allowed):
-            allowed = [i not in exclude for i in range(len(self.decodes))]
+            allowed = [i not in exclude for i in range(len(decodes))]
         t0 = time.perf_counter()
         try:
-            idx = self.policy.choose(req, loads, allowed)
+            dec = self.policy.explain(req, loads, allowed)
         except (ValueError, IndexError) as e:
             logger.error("policy %s failed (%s); using least in-flight", self.policy_name, e)
             self._count("policy_errors")
             self.metrics.errors.labels("policy").inc()
-            idx = least_loaded(loads, np.flatnonzero(allowed), self._fallback_rng)
+            dec = Decision(least_loaded(loads, np.flatnonzero(allowed), self._fallback_rng),
+                           self.policy_name, "policy_error")
         self.metrics.choose_time.observe(time.perf_counter() - t0)
-        d = self.decodes[idx]
-        self.metrics.requests.labels(self.policy_name, d.url).inc()
-        return d
+        d = decodes[dec.index]
+        m = self.metrics
+        m.requests.labels(self.policy_name, d.url).inc()
+        if not self.policy.needs_signature:
+            kind = "blind"
+        else:
+            kind = "signature" if req.signature is not None else "fallback"
+        m.decisions.labels(self.policy_name, kind).inc()
+        if dec.band is not None:
+            m.band_size.observe(len(dec.band))
+            m.best_similarity.observe(dec.best_similarity)
+        if decision_logger.isEnabledFor(self.decision_level):
+            decision_logger.log(
+                self.decision_level,
+                "decision rids=%s policy=%s reason=%s top3=%s band=%s loads=%s allowed=%s chosen=%d %s",
+                list(rids)[:4], self.policy_name, dec.reason,
+                [(decodes[i].url, round(v, 4)) for i, v in dec.top(3)],
+                list(dec.band) if dec.band is not None else None, loads,
+                [i for i, a in enumerate(allowed) if a], dec.index, d.url)
+        return d, dec
 
     # ---------------------------------------------------------------- signature
-    async def _await_signature(self, waiters: list[asyncio.Future],
-                               prefill_task: asyncio.Task) -> tuple[Optional[np.ndarray], Optional[PrefillResult]]:
-        """Wait for the room(s)' signatures; returns (vector or None, failed prefill or None)."""
+    async def _await_signature(self, waiters: list[asyncio.Future], prefill_task: asyncio.Task,
+                               ) -> tuple[Optional[np.ndarray], Optional[PrefillResult], float]:
+        """Wait for the room(s)' signatures: (vector or None, failed prefill or None, wait s)."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         deadline = t0 + self.signature_timeout
@@ -288,17 +411,19 @@ class Router:
                 if prefill_task in done:
                     res = prefill_task.result()
                     if not res.ok:
-                        return None, res
+                        return None, res, loop.time() - t0
                     watch.discard(prefill_task)  # finished fine: keep waiting
         finally:
             all_in.cancel()
-        self.metrics.signature_wait.observe(loop.time() - t0)
+        waited = loop.time() - t0
+        self.metrics.signature_wait.observe(waited)
         vectors, reasons = [], []
         for w in waiters:
             if not w.done() or w.cancelled():
                 reasons.append("timeout")
                 continue
             self._count("signatures_used")
+            self.last_layers = w.result().get("layers")
             if self.encoder is None:
                 reasons.append("no_artifact")
                 continue
@@ -314,27 +439,49 @@ class Router:
             self.metrics.fallbacks.labels(r).inc()
         if not vectors:
             self._count("fallbacks")
-        return combine(vectors), None
+        return combine(vectors), None, waited
 
     # ---------------------------------------------------------------- upstream calls
-    async def _call_prefill(self, s: Server, endpoint: str, payload: bytes) -> PrefillResult:
-        """POST to prefill and read the whole answer (late binding: arrives after decode)."""
-        self._enter(s)
-        try:
-            async with self.session.post(f"{s.url}/{endpoint}", data=payload,
-                                         headers={"Content-Type": JSON}) as resp:
-                body = await resp.read()
-                if resp.status != 200:
-                    self._failed(s, f"HTTP {resp.status}: {body[:200]!r}", down=False)
-                return PrefillResult(resp.status, body)
-        except (aiohttp.ClientConnectorError, asyncio.TimeoutError, aiohttp.ServerDisconnectedError) as e:
-            self._failed(s, repr(e), down=True)
-            return PrefillResult(0, b"", f"prefill server {s.url} unreachable: {type(e).__name__}")
-        except aiohttp.ClientError as e:
-            self._failed(s, repr(e), down=False)
-            return PrefillResult(0, b"", f"prefill server {s.url} failed: {type(e).__name__}")
-        finally:
-            self._leave(s)
+    async def _call_prefill(self, fl: "_Flight", endpoint: str) -> PrefillResult:
+        """POST to prefill and read the whole answer (late binding: arrives after decode).
+
+        A refused connection (the server never saw the request) is retried on another
+        prefill server, with that server's bootstrap host/port, as long as the decode
+        request has not been sent (it names the prefill's bootstrap address)."""
+        tried: set[int] = set()
+        while True:
+            s = fl.prefill
+            self._enter(s)
+            try:
+                async with self.session.post(f"{s.url}/{endpoint}", data=fl.payload,
+                                             headers={"Content-Type": JSON}) as resp:
+                    body = await resp.read()
+                    if resp.status == 200:
+                        self._success(s)
+                    elif resp.status >= 500:
+                        self._failed(s, f"HTTP {resp.status}: {body[:200]!r}", down=False)
+                    else:
+                        self.metrics.worker_errors.labels(s.role, s.url, "http_4xx").inc()
+                    return PrefillResult(resp.status, body)
+            except aiohttp.ClientConnectorError as e:
+                self._failed(s, repr(e), down=True, kind="connect")
+                tried.add(id(s))
+                alt = None if fl.decode_sent else self.pick_prefill(exclude=tried)
+                if alt is not None:
+                    self._count("prefill_retries")
+                    self.metrics.retries.labels("prefill").inc()
+                    fl.set_prefill(alt)
+                    continue
+                return PrefillResult(0, b"", f"prefill server {s.url} unreachable: {type(e).__name__}")
+            except (asyncio.TimeoutError, aiohttp.ServerDisconnectedError) as e:
+                kind = "timeout" if isinstance(e, asyncio.TimeoutError) else "disconnect"
+                self._failed(s, repr(e), down=True, kind=kind)
+                return PrefillResult(0, b"", f"prefill server {s.url} unreachable: {type(e).__name__}")
+            except aiohttp.ClientError as e:
+                self._failed(s, repr(e), down=False, kind="disconnect")
+                return PrefillResult(0, b"", f"prefill server {s.url} failed: {type(e).__name__}")
+            finally:
+                self._leave(s)
 
     async def _abort(self, rids: list[str], servers: list[Server]) -> None:
         """Best-effort ``/abort_request`` for every rid on every server."""
@@ -388,6 +535,20 @@ class Router:
 
     # ---------------------------------------------------------------- dispatch
     async def dispatch(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        self.active += 1
+        self._idle.clear()
+        self.metrics.client_requests.set(self.active)
+        try:
+            return await self._dispatch(request, endpoint, t0)
+        finally:
+            self.active -= 1
+            if self.active == 0:
+                self._idle.set()
+            self.metrics.client_requests.set(self.active)
+            self.metrics.request_duration.labels(endpoint).observe(time.perf_counter() - t0)
+
+    async def _dispatch(self, request: web.Request, endpoint: str, t0: float) -> web.StreamResponse:
         try:
             body = orjson.loads(await request.read())
         except orjson.JSONDecodeError as e:
@@ -404,47 +565,51 @@ class Router:
         label = self._label(request, body)
         stream = bool(body.get("stream", False))
 
-        p = self.pick_prefill()
         rooms = [random.getrandbits(63) for _ in range(n or 1)]
-        body["bootstrap_host"] = [p.host] * n if n else p.host
-        body["bootstrap_port"] = [p.bootstrap_port] * n if n else p.bootstrap_port
         body["bootstrap_room"] = rooms if n else rooms[0]
-        payload = orjson.dumps(body)
+        fl = _Flight(body, n)
+        fl.set_prefill(self.pick_prefill())
         self._count("requests")
 
         waiters = [self.board.expect(r) for r in rooms]
-        prefill_task = self._spawn(self._call_prefill(p, endpoint, payload))
+        prefill_task = self._spawn(self._call_prefill(fl, endpoint))
         prefill_task.add_done_callback(self._log_prefill)
         d: Optional[Server] = None
         try:
-            sig = None
+            sig, waited = None, 0.0
             if self.policy.needs_signature:
-                sig, failed = await self._await_signature(waiters, prefill_task)
+                sig, failed, waited = await self._await_signature(waiters, prefill_task)
                 if failed is not None:
                     return self._prefill_error(failed)
             tried: set[int] = set()
             while True:
-                d = self.pick_decode(RouteRequest(signature=sig, label=label), tried)
-                self._record(rids, rooms, label, sig, waiters, d)
+                d, dec = self.decide(RouteRequest(signature=sig, label=label), tried, rids)
+                self._record(rids, rooms, label, sig, waiters, d, dec)
                 self._enter(d)
                 try:
-                    resp = await self._open_decode(d, endpoint, payload, prefill_task)
+                    fl.decode_sent = True  # from here on the prefill is never re-sent
+                    if not tried:
+                        self.metrics.added_latency.observe(time.perf_counter() - t0 - waited)
+                    resp = await self._open_decode(d, endpoint, fl.payload, prefill_task)
                     if isinstance(resp, PrefillResult):  # prefill failed before decode answered
                         self._spawn(self._abort(rids, [d]))
                         return self._prefill_error(resp)
                     if isinstance(resp, Exception):
                         refused = isinstance(resp, aiohttp.ClientConnectorError)
-                        self._failed(d, repr(resp), down=True)
+                        kind = ("connect" if refused else "timeout"
+                                if isinstance(resp, asyncio.TimeoutError) else "disconnect")
+                        self._failed(d, repr(resp), down=True, kind=kind)
                         tried.update(i for i, x in enumerate(self.decodes) if x is d)
                         if refused and len(tried) < len(self.decodes):
                             self._count("decode_retries")
+                            self.metrics.retries.labels("decode").inc()
                             continue  # never reached the server: the room is still unbound
-                        self._spawn(self._abort(rids, [p]))
+                        self._spawn(self._abort(rids, [fl.prefill]))
                         return error_response(
                             503 if refused else 502,
                             f"decode server {d.url} unavailable: {type(resp).__name__}")
                     try:
-                        return await self._relay(request, resp, d, stream, rids, p)
+                        return await self._relay(request, resp, d, stream, rids, fl.prefill)
                     finally:
                         resp.release()
                 finally:
@@ -452,37 +617,66 @@ class Router:
         except asyncio.CancelledError:  # client went away
             self._count("client_disconnects")
             prefill_task.cancel()
-            self._spawn(self._abort(rids, [p] + ([d] if d is not None else [])))
+            self._spawn(self._abort(rids, [fl.prefill] + ([d] if d is not None else [])))
             raise
         finally:
             for r in rooms:
                 self.board.discard(r)
 
     def _record(self, rids: list[str], rooms: list[int], label: Optional[str],
-                sig: Optional[np.ndarray], waiters: list[asyncio.Future], d: Server) -> None:
+                sig: Optional[np.ndarray], waiters: list[asyncio.Future], d: Server,
+                dec: Optional[Decision] = None) -> None:
         """Keep the decision and the signature messages it used (``GET /eldr/decisions``)."""
         messages = [w.result() for w in waiters if w.done() and not w.cancelled()]
         decision = {"time": time.time(), "rids": rids, "rooms": rooms, "label": label,
                     "policy": self.policy_name, "decode": d.url,
                     "loads": {x.url: x.inflight for x in self.decodes}, "messages": messages}
-        if sig is not None and self.encoder is not None:
-            decision["similarities"] = [float(v) for v in self.encoder.centroids @ sig]
+        if dec is not None:
+            decision["reason"] = dec.reason
+            if dec.band is not None:
+                decision["band"] = [self.decodes[i].url for i in dec.band]
+                decision["best_similarity"] = dec.best_similarity
+        if dec is not None and dec.centroid_similarities is not None:
+            decision["similarities"] = dec.centroid_similarities.tolist()
+        elif sig is not None and self.encoder is not None:
+            try:
+                decision["similarities"] = [float(v) for v in self.encoder.centroids @ sig]
+            except ValueError:  # calibration reloaded mid-request with another dimension
+                pass
         self.decisions.append(decision)
 
     async def _relay(self, request: web.Request, resp: aiohttp.ClientResponse, d: Server,
                      stream: bool, rids: list[str], p: Server) -> web.StreamResponse:
-        """Return the decode answer; stream SSE chunks through when the client streams."""
+        """Return the decode answer; stream SSE chunks through when the client streams.
+
+        Worker error statuses pass through (JSON bodies as they are). A decode server
+        that dies mid-answer gives 502 JSON (non-stream) or a final SSE error event."""
         if resp.status != 200:
-            data = await resp.read()
-            self._failed(d, f"HTTP {resp.status}: {data[:200]!r}", down=False)
+            try:
+                data = await resp.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                data = repr(e).encode()
+            if resp.status >= 500:
+                self._failed(d, f"HTTP {resp.status}: {data[:200]!r}", down=False)
+            else:
+                self.metrics.worker_errors.labels(d.role, d.url, "http_4xx").inc()
+                self._count("decode_client_errors")
             self._spawn(self._abort(rids, [p]))
             ctype = resp.headers.get("Content-Type", JSON)
             if ctype.startswith(JSON):
                 return web.Response(body=data, status=resp.status, content_type=JSON)
             return error_response(resp.status, data.decode("utf-8", "replace")[:2000])
         if not stream:
-            data = await resp.read()
+            try:
+                data = await resp.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                self._failed(d, f"response broken: {e!r}", down=False, kind="disconnect")
+                self._spawn(self._abort(rids, [p]))
+                return error_response(502, f"decode server {d.url} failed mid-response: "
+                                      f"{type(e).__name__}")
+            self._success(d)
             return web.Response(body=data, status=200, content_type=JSON)
+        self._success(d)
         out = web.StreamResponse(status=200, headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await out.prepare(request)
@@ -494,8 +688,15 @@ class Router:
             self._count("client_disconnects")
             self._spawn(self._abort(rids, [p, d]))
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            self._failed(d, f"stream broken: {e!r}", down=False)
+            self._failed(d, f"stream broken: {e!r}", down=False, kind="stream")
             self._spawn(self._abort(rids, [p]))
+            err = {"error": {"message": f"decode server {d.url} failed mid-stream: "
+                             f"{type(e).__name__}", "type": "upstream_error", "code": 502}}
+            try:
+                await out.write(b"data: " + orjson.dumps(err) + b"\n\n")
+                await out.write_eof()
+            except (ConnectionResetError, aiohttp.ClientConnectionResetError, RuntimeError):
+                pass
         return out
 
     def _log_prefill(self, task: asyncio.Task) -> None:
@@ -564,6 +765,8 @@ class Router:
         return json_response(out)
 
     async def h_health(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return error_response(503, "router is draining")
         return web.Response(status=200)
 
     async def _get_all(self, path: str, method: str = "GET") -> list[tuple[Server, int, Any]]:
@@ -621,6 +824,9 @@ class Router:
     async def h_metrics(self, request: web.Request) -> web.Response:
         for s in chain(self.prefills, self.decodes):
             self._gauge(s)
+        self.metrics.board.labels("waiting").set(len(self.board.waiters))
+        self.metrics.board.labels("buffered").set(len(self.board.buffer))
+        self.metrics.draining.set(int(self.draining))
         data, ctype = self.metrics.render()
         return web.Response(body=data, headers={"Content-Type": ctype})
 
@@ -630,6 +836,9 @@ class Router:
             "policy": self.policy_name, "tau": self.tau,
             "signature_timeout": self.signature_timeout,
             "artifact": self.encoder.describe() if self.encoder else None,
+            "calibration_path": self.calibration_path,
+            "draining": self.draining, "active_requests": self.active,
+            "health_interval": self.health_interval,
             "prefill": [s.describe(now) for s in self.prefills],
             "decode": [s.describe(now) for s in self.decodes],
             "loads": [s.inflight for s in self.decodes],
@@ -668,25 +877,174 @@ class Router:
         self.policy.remove_server(i)
         self.decodes.pop(i)  # requests in flight keep their Server object
 
+    def admin_allowed(self, request: web.Request) -> bool:
+        """Loopback peers only; with an admin token, exactly ``Bearer <token>`` instead."""
+        if self.admin_token:
+            got = request.headers.get("Authorization", "")
+            return hmac.compare_digest(got.encode(), f"Bearer {self.admin_token}".encode())
+        try:
+            return ipaddress.ip_address((request.remote or "").split("%")[0]).is_loopback
+        except ValueError:
+            return False
+
+    def _forbidden(self) -> web.Response:
+        self._count("admin_forbidden")
+        self.metrics.errors.labels("admin_forbidden").inc()
+        return error_response(403, "admin endpoint: loopback only, or 'Authorization: Bearer "
+                                   "<token>' when the router runs with --admin-token")
+
+    async def _admin_body(self, request: web.Request) -> dict:
+        data = orjson.loads(await request.read() or b"{}")
+        if not isinstance(data, dict):
+            raise ValueError("body must be a JSON object")
+        return data
+
     async def h_servers(self, request: web.Request) -> web.Response:
         """Admin: ``{"add": [url, ...], "remove": [url, ...]}`` for decode servers."""
+        if not self.admin_allowed(request):
+            return self._forbidden()
         try:
-            data = orjson.loads(await request.read())
-            if not isinstance(data, dict):
-                raise ValueError("body must be a JSON object")
+            data = await self._admin_body(request)
+            for key in ("add", "remove"):
+                v = data.get(key, [])
+                if not isinstance(v, list) or not all(isinstance(u, str) for u in v):
+                    raise ValueError(f"'{key}' must be a list of URLs")
             for url in data.get("remove", []):
-                self.remove_decode(str(url))
+                self.remove_decode(url)
             for url in data.get("add", []):
-                self.add_decode(str(url))
+                self.add_decode(url)
         except (orjson.JSONDecodeError, ValueError, TypeError) as e:
             return self._bad(str(e))
         return json_response(self.status())
+
+    def reload_calibration(self, path: str) -> dict:
+        """Swap in the artifact at ``path`` (validated by ``load_artifact``: format,
+        shapes, checksum); ValueError leaves the current one in place.
+
+        Ownership restarts from the decode order (server i owns centroid i), whatever
+        K is: with K > N the extra centroids go to the owners of their nearest
+        centroids, with K < N the extra servers share the least-shared centroids
+        (``CentroidOwnership``). ``--tau`` given at start-up stays; otherwise the new
+        artifact's tau is used. The swap is one synchronous step (no await), so a
+        request sees either the old encoder+policy or the new pair."""
+        art = load_calibration(path)
+        enc = SignatureEncoder(art)
+        tau = self.tau_override if self.tau_override is not None else enc.tau
+        policy = self.policy
+        if self.policy.name == "eldr":
+            policy = make_policy("eldr", len(self.decodes), centroids=enc.centroids, tau=tau,
+                                 seed=self.seed)
+        warnings = []
+        k, n = int(enc.centroids.shape[0]), len(self.decodes)
+        if k != n:
+            warnings.append(f"{k} centroids for {n} decode servers: "
+                            + ("several centroids per server" if k > n else "servers share centroids"))
+        if self.last_layers is not None and [int(x) for x in self.last_layers] != enc.layers:
+            warnings.append(f"prefill plugin last sent layers {self.last_layers}, artifact has "
+                            f"{enc.layers}: signatures will fall back until the plugin matches")
+        old = self.encoder.describe() if self.encoder else None
+        self.encoder, self.policy = enc, policy
+        if self.policy.name == "eldr" or self.tau_override is None:
+            self.tau = tau
+        self.calibration_path = str(path)
+        self._count("calibration_reloads")
+        self.metrics.reloads.labels("ok").inc()
+        logger.info("calibration reloaded from %s: K=%d dim=%d tau=%s%s", path, k,
+                    enc.centroids.shape[1], self.tau, f" ({'; '.join(warnings)})" if warnings else "")
+        return {"ok": True, "path": str(path), "previous": old, "artifact": enc.describe(),
+                "warnings": warnings, "policy_state": self.policy.describe()}
+
+    async def h_calibration(self, request: web.Request) -> web.Response:
+        """Admin: ``POST {"path": "artifact.json"}`` reloads the calibration."""
+        if not self.admin_allowed(request):
+            return self._forbidden()
+        try:
+            data = await self._admin_body(request)
+            path = data.get("path")
+            if not isinstance(path, str) or not path:
+                raise ValueError("'path' (string) is required")
+            out = self.reload_calibration(path)
+        except (orjson.JSONDecodeError, ValueError, TypeError) as e:
+            self.metrics.reloads.labels("refused").inc()
+            self._count("calibration_refused")
+            logger.warning("calibration reload refused: %s", e)
+            return self._bad(f"calibration refused, previous kept: {e}")
+        return json_response(out)
+
+    async def h_calibration_get(self, request: web.Request) -> web.Response:
+        return json_response({"path": self.calibration_path,
+                              "artifact": self.encoder.describe() if self.encoder else None,
+                              "policy_state": self.policy.describe()})
+
+    # ---------------------------------------------------------------- health / drain
+    async def check_health(self) -> None:
+        """One round of ``GET /health`` on every worker."""
+        timeout = aiohttp.ClientTimeout(total=self.health_timeout)
+
+        async def one(s: Server) -> None:
+            try:
+                async with self.session.get(f"{s.url}/health", timeout=timeout) as r:
+                    await r.read()
+                    ok = r.status == 200
+            except Exception:  # noqa: BLE001 - any failure is a miss
+                ok = False
+            self.metrics.health_checks.labels(s.role, s.url, "ok" if ok else "fail").inc()
+            if ok:
+                s.health_misses = 0
+                if not s.alive:
+                    s.alive = True
+                    self._count(f"{s.role}_back_in")
+                    logger.warning("%s %s passes health checks again: back in", s.role, s.url)
+                if s.breaker == "open":  # let a trial request through now
+                    s.open_until = 0.0
+            else:
+                s.health_misses += 1
+                if s.alive and s.health_misses >= self.health_failures:
+                    s.alive = False
+                    self._count(f"{s.role}_taken_out")
+                    logger.warning("%s %s failed %d health checks: taken out", s.role, s.url,
+                                   s.health_misses)
+            self._gauge(s)
+
+        await asyncio.gather(*(one(s) for s in list(chain(self.prefills, self.decodes))))
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval)
+            try:
+                await self.check_health()
+            except Exception:  # noqa: BLE001 - never let the loop die
+                logger.exception("health check round failed")
+
+    async def _housekeeping(self) -> None:
+        """Expire unclaimed signature messages even when no traffic comes in."""
+        while True:
+            await asyncio.sleep(min(1.0, max(self.board.ttl / 4, 0.05)))
+            self.board.sweep()
+
+    async def drain(self, timeout: float) -> bool:
+        """Refuse new work (503), wait for in-flight requests; True if all finished."""
+        self.draining = True
+        self.metrics.draining.set(1)
+        logger.warning("draining: %d request(s) in flight, up to %.1fs", self.active, timeout)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            logger.warning("drain timeout: %d request(s) still in flight", self.active)
+            return False
 
     # ---------------------------------------------------------------- app
     async def _startup(self, app: web.Application) -> None:
         self.session = aiohttp.ClientSession(
             timeout=self.timeout, connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
             json_serialize=lambda o: orjson.dumps(o).decode())
+        self._idle = asyncio.Event()  # bound to the serving loop
+        if self.active == 0:
+            self._idle.set()
+        if self.health_interval and self.health_interval > 0:
+            self._spawn(self._health_loop())
+        self._spawn(self._housekeeping())
 
     async def _cleanup(self, app: web.Application) -> None:
         for t in list(self._bg):
@@ -696,7 +1054,7 @@ class Router:
             await self.session.close()
 
     def build_app(self) -> web.Application:
-        app = web.Application(middlewares=[_json_errors], client_max_size=256 * 1024**2)
+        app = web.Application(middlewares=[self._json_errors], client_max_size=self.max_body)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         r = app.router
@@ -716,28 +1074,37 @@ class Router:
         r.add_get("/eldr/status", self.h_status)
         r.add_get("/eldr/decisions", self.h_decisions)
         r.add_post("/eldr/servers", self.h_servers)
+        r.add_post("/eldr/calibration", self.h_calibration)
+        r.add_get("/eldr/calibration", self.h_calibration_get)
         return app
 
-
-@web.middleware
-async def _json_errors(request: web.Request, handler) -> web.StreamResponse:
-    """Every error leaves as JSON ``{"error": ...}``; never a traceback."""
-    try:
-        return await handler(request)
-    except web.HTTPException as e:
-        if e.status < 400:
+    @web.middleware
+    async def _json_errors(self, request: web.Request, handler) -> web.StreamResponse:
+        """Drain gate, and every error leaves as JSON ``{"error": ...}``; never a traceback."""
+        if self.draining and request.path in WORK_PATHS:
+            self._count("refused_draining")
+            return error_response(503, "router is draining (shutting down); retry elsewhere")
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            if e.status == 413:
+                self._count("too_large")
+                self.metrics.errors.labels("too_large").inc()
+                return error_response(413, f"request body too large: {e.text}")
+            return error_response(e.status, e.reason)
+        except asyncio.CancelledError:
             raise
-        return error_response(e.status, e.reason)
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:  # noqa: BLE001
-        logger.exception("unhandled error on %s", request.path)
-        return error_response(500, f"internal router error: {type(e).__name__}")
+        except Exception as e:  # noqa: BLE001
+            logger.exception("unhandled error on %s", request.path)
+            return error_response(500, f"internal router error: {type(e).__name__}")
 
 
 async def start_router(router: Router, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, int]:
     """Start ``router`` on host:port (0 = any free port); returns (runner, port)."""
-    runner = web.AppRunner(router.build_app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(router.build_app(), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -1,4 +1,17 @@
-"""Prometheus metrics of the ELDR router (one registry per router instance)."""
+"""Prometheus metrics of the ELDR router (one registry per router instance).
+
+Latency definitions (seconds):
+
+- ``eldr_router_request_duration_seconds``: end to end, from the router's handler
+  entry to the last byte of the response handed to the client (stream included).
+- ``eldr_router_added_latency_seconds``: router-added latency, from handler entry
+  to the moment the decode POST is issued, MINUS the signature wait. It is the
+  router's own work on the critical path (body parse + validation, prefill pick,
+  payload encode, signature encode, policy choice). Excluded: the signature wait
+  (``eldr_router_signature_wait_seconds``: bounded by prefill compute, not by the
+  router), the upstream HTTP round trips and the response relay, which an
+  external benchmark measures (``benchmark/bench_router_vs_sglang_router.py``).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +20,14 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 
 _FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
          0.25, 0.5, 1.0, 2.0, 5.0)
+_MICRO = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
+          0.01, 0.025, 0.05, 0.1)
+_E2E = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+        30.0, 60.0, 120.0, 300.0)
+_BAND = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 128)
+_SIM = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99, 1.0)
+
+BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
 
 
 class RouterMetrics:
@@ -14,23 +35,62 @@ class RouterMetrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("eldr_router_requests", "Requests routed to a decode server",
                                 ["policy", "decode"], registry=r)
+        self.decisions = Counter("eldr_router_decisions",
+                                 "Decode decisions per policy; kind = signature (used one), "
+                                 "fallback (needed one, had none), blind (policy needs none)",
+                                 ["policy", "kind"], registry=r)
+        self.band_size = Histogram("eldr_router_band_size",
+                                   "Candidates in the eldr locality band (s* - tau)",
+                                   buckets=_BAND, registry=r)
+        self.best_similarity = Histogram("eldr_router_best_similarity",
+                                         "s*: best server cosine similarity of a signature",
+                                         buckets=_SIM, registry=r)
         self.signature_wait = Histogram("eldr_router_signature_wait_seconds",
                                         "Time from prefill dispatch to signature (or timeout)",
                                         buckets=_FAST, registry=r)
         self.choose_time = Histogram("eldr_router_policy_choose_seconds",
-                                     "Policy choose() time", buckets=_FAST, registry=r)
+                                     "Policy decision time (explain())", buckets=_MICRO, registry=r)
+        self.added_latency = Histogram("eldr_router_added_latency_seconds",
+                                       "Handler entry to decode POST issued, minus signature wait",
+                                       buckets=_MICRO, registry=r)
+        self.request_duration = Histogram("eldr_router_request_duration_seconds",
+                                          "End-to-end request time in the router",
+                                          ["endpoint"], buckets=_E2E, registry=r)
         self.fallbacks = Counter("eldr_router_fallbacks", "Decode picks without a signature",
                                  ["reason"], registry=r)
         self.errors = Counter("eldr_router_errors", "Router-side errors", ["kind"], registry=r)
         self.upstream_failures = Counter("eldr_router_upstream_failures",
                                          "Failed calls to prefill/decode servers",
                                          ["role", "server"], registry=r)
+        self.worker_requests = Counter("eldr_router_worker_requests",
+                                       "Requests sent to each worker", ["role", "server"],
+                                       registry=r)
+        self.worker_errors = Counter("eldr_router_worker_errors",
+                                     "Worker errors: connect, timeout, disconnect, http_4xx, "
+                                     "http_5xx, stream", ["role", "server", "kind"], registry=r)
+        self.retries = Counter("eldr_router_retries", "Requests re-sent to another worker "
+                               "(never reached the first one)", ["role"], registry=r)
         self.signatures = Counter("eldr_router_signature_messages",
                                   "Signature messages received", ["outcome"], registry=r)
         self.inflight = Gauge("eldr_router_inflight", "In-flight requests per server",
                               ["role", "server"], registry=r)
-        self.healthy = Gauge("eldr_router_server_healthy", "1 if the server is not in cooldown",
+        self.healthy = Gauge("eldr_router_server_healthy",
+                             "1 if the server may be picked (health check passing, breaker "
+                             "not open)", ["role", "server"], registry=r)
+        self.breaker = Gauge("eldr_router_breaker_state",
+                             "Circuit breaker: 0 closed, 1 half-open, 2 open",
                              ["role", "server"], registry=r)
+        self.health_checks = Counter("eldr_router_health_checks",
+                                     "Active health checks", ["role", "server", "outcome"],
+                                     registry=r)
+        self.client_requests = Gauge("eldr_router_client_requests_inflight",
+                                     "Client requests being served", registry=r)
+        self.draining = Gauge("eldr_router_draining", "1 while draining (SIGTERM)", registry=r)
+        self.board = Gauge("eldr_router_signature_board",
+                           "Signature rendezvous entries (waiting requests, buffered messages)",
+                           ["state"], registry=r)
+        self.reloads = Counter("eldr_router_calibration_reloads", "Calibration reloads",
+                               ["outcome"], registry=r)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

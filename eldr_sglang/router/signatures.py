@@ -69,10 +69,14 @@ class SignatureBoard:
 
     A message whose room has a waiter resolves it; otherwise it is buffered for
     ``ttl`` seconds (at most ``max_buffered`` rooms, oldest dropped first) so a
-    waiter registered later still gets it.
+    waiter registered later still gets it. Bounded: waiters are removed by
+    :meth:`discard` when their request ends (however it ends), buffered messages by
+    TTL/size on every post/expect and by the router's periodic :meth:`sweep`.
+    A buffered message holds its counts array (n_sel x E, e.g. 24 x 128 int64 =
+    24 KB), hence the default cap of 4096 rooms (~100 MB worst case).
     """
 
-    def __init__(self, ttl: float = 30.0, max_buffered: int = 100_000,
+    def __init__(self, ttl: float = 30.0, max_buffered: int = 4096,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl = ttl
         self.max_buffered = max_buffered
@@ -80,6 +84,10 @@ class SignatureBoard:
         self.waiters: dict[int, asyncio.Future] = {}
         self.buffer: "OrderedDict[int, tuple[float, dict]]" = OrderedDict()
         self.expired = 0
+
+    def sweep(self) -> None:
+        """Drop expired buffered messages (and the oldest beyond ``max_buffered``)."""
+        self._sweep()
 
     def _sweep(self) -> None:
         now = self.clock()
