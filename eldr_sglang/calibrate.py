@@ -34,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--min-gain", type=float, default=1e-3, help="stop when the best layer adds less rho")
     ap.add_argument("--layers", default=None, help="comma-separated layers: skip the greedy selection")
     ap.add_argument("--pairs", type=int, default=20_000, help="sampled request pairs for layer selection")
-    ap.add_argument("--decode-overlap", choices=("counts", "profile"), default="counts",
-                    help="weighted Jaccard of raw decode counts, or of per-request count profiles (sum 1)")
+    ap.add_argument("--decode-overlap", choices=("counts", "profile"), default="profile",
+                    help="weighted Jaccard of per-request decode count profiles (each scaled to sum 1; "
+                         "default: compares which experts, not how many tokens) or of raw decode counts")
     ap.add_argument("--n-init", type=int, default=3)
     ap.add_argument("--max-iter", type=int, default=50)
     ap.add_argument("--tau", type=float, default=DEFAULT_TAU, help="default locality band stored in the artifact")

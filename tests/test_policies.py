@@ -160,3 +160,100 @@ def test_make_policy_names():
         make_policy("eldr", 2)
     with pytest.raises(ValueError):
         make_policy("nope", 2)
+
+
+# ---------------------------------------------------------------- constructed states
+def test_eldr_band_edge_is_inclusive():
+    c = eye_centroids(3)
+    sig = np.array([0.8, 0.6, 0.0], dtype=np.float32)
+    s1, s2 = float(sig[0]), float(sig[1])
+    loads = [3, 0, 0]
+    gap = s1 - s2
+    # server 1 sits exactly on the band edge s* - tau: inside; a hair narrower: outside
+    assert EldrPolicy(c, 3, tau=gap).choose(RouteRequest(sig), loads) == 1
+    assert EldrPolicy(c, 3, tau=gap - 1e-6).choose(RouteRequest(sig), loads) == 0
+    d = EldrPolicy(c, 3, tau=gap).explain(RouteRequest(sig), loads)
+    assert d.band == (0, 1) and d.index == 1 and d.best_similarity == pytest.approx(s1)
+    assert d.top(2) == [(0, pytest.approx(s1)), (1, pytest.approx(s2))]
+
+
+def test_eldr_ties_break_by_similarity_then_index():
+    c = _clustered_centroids()
+    p = EldrPolicy(c, 6, tau=0.0)  # servers 4, 5 share centroids 0, 1 with servers 0, 1
+    assert p.ownership.as_lists()[4:] == [[0], [1]]
+    # equal similarity (co-owners), equal load -> lowest index
+    assert p.choose(RouteRequest(c[0]), [0, 0, 0, 0, 0, 0]) == 0
+    # equal similarity, server 0 busier -> its co-owner
+    assert p.choose(RouteRequest(c[0]), [1, 0, 0, 0, 0, 0]) == 4
+    # wide band, all loads equal -> the most similar wins, not the lowest index
+    q = EldrPolicy(c, 4, tau=1.0)
+    assert q.choose(RouteRequest(c[2]), [0, 0, 0, 0]) == 2
+    # all masked out -> treated as all allowed
+    assert q.choose(RouteRequest(c[2]), [0, 0, 0, 0], [False] * 4) == 2
+
+
+def test_eldr_tau0_is_strict_affinity_whatever_the_load():
+    rng = np.random.default_rng(5)
+    c = np.abs(rng.normal(size=(6, 16))).astype(np.float32)
+    p = EldrPolicy(c, 6, tau=0.0)
+    for _ in range(100):
+        sig = unit(np.abs(rng.normal(size=16)))
+        loads = rng.integers(0, 50, 6).tolist()
+        sims = p.ownership.server_similarity(sig)
+        assert p.choose(RouteRequest(sig), loads) == int(np.argmax(sims))
+
+
+def test_eldr_tau1_equals_jsq_for_count_signatures():
+    rng = np.random.default_rng(6)
+    c = np.abs(rng.normal(size=(8, 32))).astype(np.float32)
+    p = EldrPolicy(c, 8, tau=1.0)
+    jsq = JSQPolicy(random_ties=False)
+    for _ in range(200):
+        sig = unit(np.abs(rng.normal(size=32)))  # counts >= 0 -> cosine in [0, 1]
+        loads = rng.integers(0, 6, 8).tolist()
+        allowed = (rng.random(8) < 0.8).tolist()
+        pick = p.choose(RouteRequest(sig), loads, allowed)
+        cand = [i for i in range(8) if allowed[i]] or list(range(8))
+        assert loads[pick] == min(loads[i] for i in cand) and pick in cand
+        if [loads[i] for i in cand].count(min(loads[i] for i in cand)) == 1:
+            assert pick == jsq.choose(NONE, loads, allowed)
+
+
+def test_explain_matches_choose_and_gather_matches_mask():
+    rng = np.random.default_rng(7)
+    c = np.abs(rng.normal(size=(7, 12))).astype(np.float32)
+    p = EldrPolicy(c, 5, tau=0.05)   # K > N: some servers own several centroids
+    p.remove_server(1)
+    p.add_server()
+    p.add_server()
+    own = p.ownership
+    assert not own.single
+    for _ in range(100):
+        sig = unit(np.abs(rng.normal(size=12)))
+        loads = rng.integers(0, 4, own.num_servers).tolist()
+        sims = own.centroids @ sig
+        want = np.where(own.mask, sims[None, :], -np.inf).max(axis=1)
+        np.testing.assert_allclose(own.gather(sims), want, rtol=1e-6)
+        d = p.explain(RouteRequest(sig), loads)
+        assert d.index == p.choose(RouteRequest(sig), loads)
+        assert d.index in d.band and len(d.centroid_similarities) == 7
+        np.testing.assert_allclose(d.centroid_similarities, sims, rtol=1e-5)
+    # non-scoring policies explain too, without a band
+    d = JSQPolicy().explain(NONE, [2, 0, 1])
+    assert d.index == 1 and d.band is None and d.top() == []
+    assert p.explain(NONE, [0] * own.num_servers).reason == "no_signature"
+
+
+def test_eldr_scan_and_vectorised_picks_agree(monkeypatch):
+    rng = np.random.default_rng(8)
+    c = np.abs(rng.normal(size=(10, 16))).astype(np.float32)
+    scan, vec = EldrPolicy(c, 12, tau=0.07), EldrPolicy(c, 12, tau=0.07)
+    monkeypatch.setattr(vec, "SCAN_MAX", 0)
+    for _ in range(300):
+        sig = unit(np.abs(rng.normal(size=16)))
+        loads = rng.integers(0, 3, 12).tolist()
+        allowed = (rng.random(12) < 0.7).tolist()
+        for a in (None, allowed):
+            d1, d2 = scan.explain(RouteRequest(sig), loads, a), vec.explain(RouteRequest(sig), loads, a)
+            assert d1.index == d2.index and d1.band == d2.band
+            assert d1.best_similarity == pytest.approx(d2.best_similarity)
