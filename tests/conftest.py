@@ -8,6 +8,7 @@ server logs are attached to its report.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -113,28 +114,26 @@ def pd_cluster(fixture_model: Path, test_artifact: Path, eldr_router_port: int, 
         cluster.stop()
 
 
-@pytest.fixture(scope="session")
-def eldr_router(pd_cluster, test_artifact: Path, eldr_router_port: int):
-    """The ELDR router (policy eldr) in front of ``pd_cluster``."""
-    proc = lc.start_eldr_router(pd_cluster, LOG_DIR, artifact=test_artifact, port=eldr_router_port)
+def _serve_router(proc: lc.ManagedProcess):
     _started.append(proc)
     try:
         proc.wait_ready(path="/health", timeout=60)
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="session")
+def eldr_router(pd_cluster, test_artifact: Path, eldr_router_port: int):
+    """The ELDR router (policy eldr) in front of ``pd_cluster``."""
+    yield from _serve_router(lc.start_eldr_router(pd_cluster, LOG_DIR, artifact=test_artifact,
+                                                  port=eldr_router_port))
 
 
 @pytest.fixture(scope="session")
 def sglang_router(pd_cluster):
     """sglang-router (Rust PD gateway, round robin) in front of ``pd_cluster``."""
-    proc = lc.start_sglang_router(pd_cluster, LOG_DIR)
-    _started.append(proc)
-    try:
-        proc.wait_ready(path="/health", timeout=60)
-        yield proc
-    finally:
-        proc.stop()
+    yield from _serve_router(lc.start_sglang_router(pd_cluster, LOG_DIR))
 
 
 GREEDY_PROMPTS = [
@@ -168,6 +167,23 @@ def greedy_generate(url: str, prompt: str) -> list[int]:
     body = {"text": prompt, "sampling_params": {"max_new_tokens": GREEDY_NEW_TOKENS,
                                                 "temperature": 0, "ignore_eos": True}}
     return http_json(url + "/generate", body, timeout=120)["output_ids"]
+
+
+def run_bench_serving(base_url: str, model: Path, out: Path, num_prompts: int,
+                      input_len: int = 64, output_len: int = 16) -> dict:
+    """``python -m sglang.bench_serving --dataset-name random-ids`` against
+    ``base_url``; returns its result record (asserts the command succeeded)."""
+    cmd = [
+        sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
+        "--base-url", base_url, "--model", str(model), "--tokenizer", str(model),
+        "--dataset-name", "random-ids", "--random-input-len", str(input_len),
+        "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
+        "--request-rate", "inf", "--max-concurrency", "4", "--output-file", str(out),
+        "--disable-tqdm",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text().splitlines()[-1])
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import TEST_ARTIFACT_LAYERS, greedy_generate
+from conftest import TEST_ARTIFACT_LAYERS, greedy_generate, run_bench_serving
 from eldr_sglang.local_cluster import flush_cache, http_json, scrape_metrics
 
 pytestmark = pytest.mark.sglang
@@ -127,18 +127,7 @@ def test_decode_servers_report_unique_experts_per_step(eldr_router, pd_cluster):
 
 def test_bench_serving_through_eldr_router(eldr_router, fixture_model, tmp_path):
     before = http_json(eldr_router.url + "/eldr/status")["counters"]
-    out = tmp_path / "bench.jsonl"
-    cmd = [
-        sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
-        "--base-url", eldr_router.url, "--model", str(fixture_model),
-        "--tokenizer", str(fixture_model), "--dataset-name", "random-ids",
-        "--random-input-len", "48", "--random-output-len", "8", "--num-prompts", "10",
-        "--request-rate", "inf", "--max-concurrency", "4", "--output-file", str(out),
-        "--disable-tqdm",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text().splitlines()[-1])
+    result = run_bench_serving(eldr_router.url, fixture_model, tmp_path / "bench.jsonl", 10, 48, 8)
     assert result["completed"] == 10, result
     after = http_json(eldr_router.url + "/eldr/status")["counters"]
     assert after.get("signatures_used", 0) - before.get("signatures_used", 0) >= 10

@@ -17,7 +17,7 @@ Per-layer pair dot products [L, P] and squared norms [L, N] are computed once
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 from scipy.stats import rankdata

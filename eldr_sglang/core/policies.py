@@ -21,6 +21,7 @@ same order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
@@ -143,11 +144,17 @@ class RoundRobinPolicy(Policy):
 
     def choose(self, request, loads, allowed=None) -> int:
         n = len(loads)
-        cand = _candidates(n, allowed)
+        if n <= 0:
+            raise ValueError("no servers to choose from")
         start = self.next % n
-        # first allowed index at or after `start`, wrapping around
-        after = cand[cand >= start]
-        pick = int(after[0]) if after.size else int(cand[0])
+        if allowed is None or all(allowed) or not any(allowed):
+            if allowed is not None and len(allowed) != n:
+                raise ValueError(f"allowed mask has shape ({len(allowed)},), expected ({n},)")
+            pick = start
+        else:  # first allowed index at or after `start`, wrapping around
+            if len(allowed) != n:
+                raise ValueError(f"allowed mask has shape ({len(allowed)},), expected ({n},)")
+            pick = next(i for i in chain(range(start, n), range(start)) if allowed[i])
         self.next = pick + 1
         return pick
 

@@ -17,6 +17,7 @@ TARGETS = {
     "disagg_prefill": "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin"
                       ".process_batch_result_disagg_prefill",
     "release": "sglang.srt.mem_cache.common.release_kv_cache",
+    "scheduler_init": "sglang.srt.managers.scheduler.Scheduler.__init__",
 }
 
 
@@ -44,6 +45,7 @@ def register_capture(config) -> None:
     if capture.STATE is not None:
         return
     capture.STATE = capture.CaptureState(config)  # publisher, metrics: at the first forward
+    HookRegistry.register(TARGETS["scheduler_init"], capture.scheduler_init_after, HookType.AFTER)
     HookRegistry.register(TARGETS["forward"], capture.forward_around, HookType.AROUND)
     HookRegistry.register(TARGETS["select_experts"], capture.select_experts_after, HookType.AFTER)
     HookRegistry.register(TARGETS["disagg_prefill"], capture.disagg_prefill_after, HookType.AFTER)

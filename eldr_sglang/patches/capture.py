@@ -135,11 +135,21 @@ def _init(state: CaptureState, model_runner) -> None:
         state.decode_acc = torch.zeros((rows, num_layers, num_experts), dtype=torch.int32, device=device)
         state.gate_prob = torch.zeros((rows, num_layers, num_experts), dtype=torch.float32, device=device)
         state.gate_logit = torch.zeros_like(state.gate_prob)
-    if state.config.metrics_port:
-        from eldr_sglang.patches.metrics import serve_metrics
-
-        serve_metrics(state, state.config.metrics_port)
     state.ready = True
+
+
+def scheduler_init_after(result, scheduler, *args, **kwargs):
+    """AFTER ``Scheduler.__init__``: the metrics endpoint is up as soon as the
+    server is (not only after its first forward); rank 0 only."""
+    state = STATE
+    if state is not None and state.config.metrics_port and _tp_rank() == 0:
+        try:
+            from eldr_sglang.patches.metrics import serve_metrics
+
+            serve_metrics(state, state.config.metrics_port)
+        except Exception as exc:
+            state.fail_once(f"metrics endpoint on port {state.config.metrics_port}", exc)
+    return result
 
 
 def forward_around(original, model_runner, forward_batch, *args, **kwargs):

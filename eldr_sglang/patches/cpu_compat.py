@@ -19,6 +19,7 @@ import importlib.machinery
 import importlib.util
 import logging
 import sys
+import time
 import types
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,20 @@ def _sender_without_pinned_indices(result, self, *args, **kwargs):
     return result
 
 
+IDLE_YIELD_S = 0.002
+
+
+def _yield_when_idle(original, self, *args, **kwargs):
+    """Without ``--sleep-on-idle`` an idle scheduler spins at full speed; on a
+    small CPU machine several idle servers then starve the busy one. Yield the
+    core for 2 ms per idle loop instead (``--sleep-on-idle`` keeps its own
+    behaviour)."""
+    if getattr(self, "idle_sleeper", None) is not None:
+        return original(self, *args, **kwargs)
+    time.sleep(IDLE_YIELD_S)
+    return None
+
+
 def register_hooks() -> None:
     """Register the CPU run-time fixes with SGLang's ``HookRegistry``."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -143,4 +158,9 @@ def register_hooks() -> None:
         "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.__init__",
         _sender_without_pinned_indices,
         HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.maybe_sleep_on_idle",
+        _yield_when_idle,
+        HookType.AROUND,
     )

@@ -99,6 +99,7 @@ class Server:
     open_until: float = 0.0
     trial: bool = False  # half-open: the one trial request is in flight
     host: str = field(init=False)
+    m: Any = field(default=None, repr=False)  # cached Prometheus children (hot path)
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
@@ -248,6 +249,8 @@ class Router:
         self._rr = 0
         self._bg: set[asyncio.Task] = set()
         self._fallback_rng = np.random.default_rng(seed)
+        self._decision_children: dict[str, Any] = {}
+        self._duration_children: dict[str, Any] = {}
         for s in chain(self.prefills, self.decodes):
             self._gauge(s)
 
@@ -271,22 +274,34 @@ class Router:
     def _count(self, key: str, n: int = 1) -> None:
         self.counters[key] += n
 
+    def _m(self, s: Server) -> tuple:
+        """Per-server metric children, looked up once (``labels()`` costs ~5 us)."""
+        if s.m is None:
+            m, lab = self.metrics, (s.role, s.url)
+            s.m = (m.inflight.labels(*lab), m.healthy.labels(*lab), m.breaker.labels(*lab),
+                   m.worker_requests.labels(*lab), m.requests.labels(self.policy_name, s.url))
+        return s.m
+
     def _gauge(self, s: Server) -> None:
-        self.metrics.inflight.labels(s.role, s.url).set(s.inflight)
-        self.metrics.healthy.labels(s.role, s.url).set(int(s.healthy(time.monotonic())))
-        self.metrics.breaker.labels(s.role, s.url).set(BREAKER_STATES[s.breaker])
+        inflight, healthy, breaker = self._m(s)[:3]
+        inflight.set(s.inflight)
+        healthy.set(int(s.healthy(time.monotonic())))
+        breaker.set(BREAKER_STATES[s.breaker])
 
     def _enter(self, s: Server) -> None:
         s.inflight += 1
         s.requests += 1
+        m = self._m(s)
+        m[3].inc()
         if s.breaker != "closed":  # past its cooldown: this request is the half-open trial
             s.breaker, s.trial = "half_open", True
-        self.metrics.worker_requests.labels(s.role, s.url).inc()
-        self._gauge(s)
+            self._gauge(s)
+        else:
+            m[0].set(s.inflight)
 
     def _leave(self, s: Server) -> None:
         s.inflight -= 1
-        self._gauge(s)
+        self._m(s)[0].set(s.inflight)
 
     def _open_breaker(self, s: Server, why: str) -> None:
         if s.breaker != "open":
@@ -371,12 +386,15 @@ class Router:
         self.metrics.choose_time.observe(time.perf_counter() - t0)
         d = decodes[dec.index]
         m = self.metrics
-        m.requests.labels(self.policy_name, d.url).inc()
+        self._m(d)[4].inc()
         if not self.policy.needs_signature:
             kind = "blind"
         else:
             kind = "signature" if req.signature is not None else "fallback"
-        m.decisions.labels(self.policy_name, kind).inc()
+        child = self._decision_children.get(kind)
+        if child is None:
+            child = self._decision_children[kind] = m.decisions.labels(self.policy_name, kind)
+        child.inc()
         if dec.band is not None:
             m.band_size.observe(len(dec.band))
             m.best_similarity.observe(dec.best_similarity)
@@ -546,7 +564,10 @@ class Router:
             if self.active == 0:
                 self._idle.set()
             self.metrics.client_requests.set(self.active)
-            self.metrics.request_duration.labels(endpoint).observe(time.perf_counter() - t0)
+            child = self._duration_children.get(endpoint)
+            if child is None:
+                child = self._duration_children[endpoint] = self.metrics.request_duration.labels(endpoint)
+            child.observe(time.perf_counter() - t0)
 
     async def _dispatch(self, request: web.Request, endpoint: str, t0: float) -> web.StreamResponse:
         try:

@@ -1,0 +1,378 @@
+"""ELDR router vs sglang-router 0.3.2 (PD mode) on the same stub workers.
+
+    python benchmark/bench_router_vs_sglang_router.py [--requests 1000] [--duration 10]
+        [--load-concurrency 32] [--decodes 4] [--skip-sglang] [--json out.json]
+
+1. decision time: ``EldrPolicy.choose()`` / ``explain()`` at K = 24 centroids of
+   dim 6144 (24 layers x 256 experts), 24 decode servers; signature encode time;
+2. router-added latency: p50/p99 of sequential requests (concurrency 1) through
+   each router minus the same figure sent straight to one decode stub;
+3. max sustained throughput: closed loop, ``--load-concurrency`` clients for
+   ``--duration`` s; the router's RSS is sampled during the run (memory must stay
+   flat) and, for the ELDR router, its signature board size afterwards.
+
+Routers compared (each its own process, stubs in another, client here):
+``eldr`` (ELDR router, eldr policy, signature hop: prefill stub posts a 24 x 256
+count message per request), ``eldr-rr`` (ELDR router, round_robin: no signature
+wait), ``sglang-router`` (``python -m sglang_router.launch_router
+--pd-disaggregation ... --policy round_robin``: posts prefill and decode at once).
+All processes share the machine's cores: on a 2-core machine the stubs and the
+Python client are part of the bottleneck for every router alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import orjson
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+N_LAYERS, N_EXPERTS, K_DECISION = 24, 256, 24
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_artifact(k: int, seed: int = 0):
+    from eldr_sglang.core.artifact import CalibrationArtifact
+    from eldr_sglang.core.traces import ModelSpec
+
+    rng = np.random.default_rng(seed)
+    idf = rng.uniform(0.5, 3.0, (N_LAYERS, N_EXPERTS)).astype(np.float32)
+    cents = rng.random((k, N_LAYERS * N_EXPERTS)).astype(np.float32) ** 4
+    cents /= np.linalg.norm(cents, axis=1, keepdims=True)
+    return CalibrationArtifact(model=ModelSpec("bench-moe", N_LAYERS, N_EXPERTS, 8),
+                               variant="idf", layers=list(range(N_LAYERS)), idf=idf,
+                               centroids=cents)
+
+
+def timeit(f, n: int) -> tuple[float, float]:
+    for _ in range(min(n, 2000)):
+        f()
+    ts = np.empty(n)
+    pc = time.perf_counter
+    for i in range(n):
+        t = pc()
+        f()
+        ts[i] = pc() - t
+    return float(np.median(ts)) * 1e6, float(np.percentile(ts, 99)) * 1e6
+
+
+def bench_decision(iters: int) -> dict:
+    from eldr_sglang.core.policies import RouteRequest, make_policy
+    from eldr_sglang.router.signatures import SignatureEncoder, parse_message
+
+    art = make_artifact(K_DECISION)
+    enc = SignatureEncoder(art)
+    rng = np.random.default_rng(1)
+    counts = rng.poisson(3.0, (N_LAYERS, N_EXPERTS))
+    msg = parse_message({"bootstrap_room": 1, "layers": list(range(N_LAYERS)),
+                         "counts": counts.tolist()})
+    sig = enc.encode(msg)
+    pol = make_policy("eldr", K_DECISION, centroids=enc.centroids, tau=0.1)
+    req = RouteRequest(sig)
+    loads = rng.integers(0, 8, K_DECISION).tolist()
+    allowed = [True] * K_DECISION
+    out = {"K": K_DECISION, "dim": int(enc.centroids.shape[1]), "servers": K_DECISION}
+    out["choose_us"] = timeit(lambda: pol.choose(req, loads, allowed), iters)
+    out["explain_us"] = timeit(lambda: pol.explain(req, loads, allowed), iters)
+    out["matvec_us"] = timeit(lambda: enc.centroids @ sig, iters)
+    out["encode_us"] = timeit(lambda: enc.encode(msg), iters // 4)
+    body = orjson.dumps({"bootstrap_room": 1, "layers": msg["layers"], "counts": counts.tolist()})
+    out["parse_us"] = timeit(lambda: parse_message(orjson.loads(body)), iters // 4)
+    out["message_kb"] = len(body) / 1024
+    return out
+
+
+# ---------------------------------------------------------------- processes
+def serve_stubs(args) -> None:
+    """Child mode: 1 prefill + N decode stubs in one event loop; prints their URLs."""
+    from stub_worker import StubWorker
+
+    async def run() -> None:
+        fixed = np.random.default_rng(2).poisson(3.0, (N_LAYERS, N_EXPERTS)).tolist()
+        prefill = StubWorker("prefill", layers=list(range(N_LAYERS)), num_experts=N_EXPERTS,
+                             signature_url=args.signature_url,
+                             send_signature=bool(args.signature_url), stream_chunks=1)
+        prefill.counts_fn = lambda text: fixed
+        decodes = [StubWorker("decode", name=f"d{i}", stream_chunks=1) for i in range(args.decodes)]
+        urls = {"prefill": await prefill.start(), "decode": [await d.start() for d in decodes]}
+        for w in [prefill] + decodes:  # keep memory flat over long runs
+            w.requests = _Discard()
+        print(orjson.dumps(urls).decode(), flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(run())
+
+
+class _Discard(list):
+    def append(self, x) -> None:  # the stubs record bodies for tests; not here
+        pass
+
+
+def start_stubs(decodes: int, signature_url: str = "") -> tuple[subprocess.Popen, dict]:
+    cmd = [sys.executable, __file__, "--serve-stubs", "--decodes", str(decodes)]
+    if signature_url:
+        cmd += ["--signature-url", signature_url]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    return proc, orjson.loads(proc.stdout.readline())
+
+
+def rss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def wait_healthy(url: str, timeout: float, proc: subprocess.Popen) -> None:
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession() as http:
+        while time.monotonic() - t0 < timeout:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{url}: process exited with {proc.returncode}")
+            try:
+                async with http.get(f"{url}/health") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.25)
+    raise RuntimeError(f"{url} not healthy after {timeout}s")
+
+
+# ---------------------------------------------------------------- load
+async def sequential(http, url: str, n: int) -> np.ndarray:
+    lat = np.empty(n)
+    for i in range(n):
+        body = orjson.dumps({"text": f"topic:{i % 4} bench {i}", "sampling_params": {"max_new_tokens": 1}})
+        t0 = time.perf_counter()
+        async with http.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+            await r.read()
+            if r.status != 200:
+                raise RuntimeError(f"{url}: HTTP {r.status}")
+        lat[i] = time.perf_counter() - t0
+    return lat
+
+
+async def closed_loop(http, url: str, conc: int, duration: float, pid: int) -> dict:
+    done = errors = 0
+    stop_at = time.perf_counter() + duration
+    rss = []
+
+    async def worker(w: int) -> None:
+        nonlocal done, errors
+        i = 0
+        while time.perf_counter() < stop_at:
+            body = orjson.dumps({"text": f"topic:{(w + i) % 4} load {i}"})
+            i += 1
+            try:
+                async with http.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+                    await r.read()
+                    if r.status == 200:
+                        done += 1
+                    else:
+                        errors += 1
+            except aiohttp.ClientError:
+                errors += 1
+
+    async def sampler() -> None:
+        while time.perf_counter() < stop_at:
+            rss.append(rss_mb(pid))
+            await asyncio.sleep(max(duration / 10, 0.2))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(sampler(), *(worker(w) for w in range(conc)))
+    el = time.perf_counter() - t0
+    return {"rps": done / el, "ok": done, "errors": errors, "rss_mb": [round(x, 1) for x in rss]}
+
+
+async def measure(name: str, url: str, args, pid: int) -> dict:
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as http:
+        gen = f"{url}/generate"
+        await sequential(http, gen, args.warmup)
+        lat = await sequential(http, gen, args.requests)
+        load = await closed_loop(http, gen, args.load_concurrency, args.duration, pid)
+        extra = {}
+        if name.startswith("eldr"):
+            async with http.get(f"{url}/eldr/status") as r:
+                st = await r.json()
+            extra = {"board": st["signature_buffer"], "fallbacks": st["counters"].get("fallbacks", 0)}
+            async with http.get(f"{url}/metrics") as r:
+                text = await r.text()
+            extra["added_latency_metric"] = _hist_quantiles(text, "eldr_router_added_latency_seconds")
+    return {"name": name, "p50_ms": float(np.percentile(lat, 50)) * 1e3,
+            "p99_ms": float(np.percentile(lat, 99)) * 1e3, **load, **extra}
+
+
+def _hist_quantiles(text: str, name: str) -> dict:
+    """Approximate p50/p99 (upper bucket bound) from a Prometheus histogram."""
+    buckets = []
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket"):
+            le = line.split('le="')[1].split('"')[0]
+            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.split()[-1])))
+    if not buckets or buckets[-1][1] == 0:
+        return {}
+    total = buckets[-1][1]
+    out = {}
+    for q in (0.5, 0.99):
+        out[f"p{int(q * 100)}_le_ms"] = next(le for le, c in buckets if c >= q * total) * 1e3
+    return out
+
+
+async def run_router(name: str, args, artifact_path: str) -> dict:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    sig_url = f"{url}/eldr/signature" if name == "eldr" else ""
+    stubs, urls = start_stubs(args.decodes, sig_url)
+    try:
+        if name == "direct":
+            return await measure(name, urls["decode"][0], args, stubs.pid)
+        if name.startswith("eldr"):
+            cmd = [sys.executable, "-m", "eldr_sglang.router", "--host", "127.0.0.1",
+                   "--port", str(port), "--prefill", urls["prefill"], "8998",
+                   "--policy", "eldr" if name == "eldr" else "round_robin",
+                   "--calibration", artifact_path, "--log-level", "warning"]
+        else:
+            cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                   "--prefill", urls["prefill"], "8998", "--policy", "round_robin",
+                   "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn"]
+        for d in urls["decode"]:
+            cmd += ["--decode", d]
+        log = open(Path(tempfile.gettempdir()) / f"bench-{name}.log", "w")
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            t0 = time.monotonic()
+            await wait_healthy(url, args.start_timeout, proc)
+            if name == "sglang-router":  # /health answers before workers are registered
+                await _wait_sglang_workers(url, time.monotonic() - t0, args.start_timeout)
+            return await measure(name, url, args, proc.pid)
+        finally:
+            stop(proc)
+            log.close()
+    finally:
+        stop(stubs)
+
+
+async def _wait_sglang_workers(url: str, spent: float, timeout: float) -> None:
+    async with aiohttp.ClientSession() as http:
+        while spent < timeout:
+            try:
+                async with http.post(f"{url}/generate", json={"text": "probe"}) as r:
+                    await r.read()
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.5)
+            spent += 0.5
+    raise RuntimeError("sglang-router never routed a request")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=1000, help="sequential requests (latency)")
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--duration", type=float, default=10.0, help="closed-loop seconds (throughput)")
+    ap.add_argument("--load-concurrency", type=int, default=32)
+    ap.add_argument("--decodes", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=20000, help="decision-time iterations")
+    ap.add_argument("--start-timeout", type=float, default=180.0)
+    ap.add_argument("--skip-sglang", action="store_true")
+    ap.add_argument("--only", help="comma list of: direct,eldr,eldr-rr,sglang-router")
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--serve-stubs", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--signature-url", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_stubs:
+        return serve_stubs(args)
+
+    print(f"cores: {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}")
+    dec = bench_decision(args.iters)
+    print(f"\ndecision time, K={dec['K']} centroids x dim {dec['dim']}, {dec['servers']} servers "
+          f"(median / p99 us; goal <= 20 us median):")
+    for key in ("choose_us", "explain_us", "matvec_us", "encode_us", "parse_us"):
+        print(f"  {key[:-3]:10s} {dec[key][0]:8.1f} {dec[key][1]:8.1f}")
+    print(f"  (signature message {dec['message_kb']:.1f} KB JSON)")
+
+    names = ["direct", "eldr", "eldr-rr"] + ([] if args.skip_sglang else ["sglang-router"])
+    if args.only:
+        names = [n for n in args.only.split(",")]
+        if "direct" not in names:
+            names.insert(0, "direct")
+    with tempfile.TemporaryDirectory() as tmp:
+        art_path = str(make_artifact(args.decodes).save(Path(tmp) / "artifact.json"))
+        rows = {}
+        for name in names:
+            print(f"\nrunning {name} ...", flush=True)
+            try:
+                rows[name] = asyncio.run(run_router(name, args, art_path))
+            except Exception as e:  # noqa: BLE001 - report and continue
+                print(f"  {name} failed: {e}")
+    base = rows.get("direct")
+    print(f"\n{args.requests} sequential requests (added = router - direct), then "
+          f"{args.duration:.0f}s closed loop at concurrency {args.load_concurrency}; "
+          f"{args.decodes} decode stubs + 1 prefill stub in one process")
+    print(f"  {'path':15s} {'p50 ms':>7s} {'p99 ms':>7s} {'+p50 ms':>8s} {'+p99 ms':>8s} "
+          f"{'req/s':>7s} {'errors':>6s}  RSS MB (start -> end)")
+    for name, r in rows.items():
+        add50 = r["p50_ms"] - base["p50_ms"] if base and name != "direct" else float("nan")
+        add99 = r["p99_ms"] - base["p99_ms"] if base and name != "direct" else float("nan")
+        rss = r["rss_mb"]
+        print(f"  {name:15s} {r['p50_ms']:7.3f} {r['p99_ms']:7.3f} {add50:8.3f} {add99:8.3f} "
+              f"{r['rps']:7.0f} {r['errors']:6d}  {rss[0] if rss else 0:.1f} -> {rss[-1] if rss else 0:.1f}")
+    for name in ("eldr", "eldr-rr"):
+        if name in rows:
+            r = rows[name]
+            print(f"  {name}: in-router added latency (metric, bucket bound) "
+                  f"{r.get('added_latency_metric')}, board after load {r.get('board')}, "
+                  f"fallbacks {r.get('fallbacks')}")
+    sg = rows.get("sglang-router")
+    if sg:
+        for name in ("eldr", "eldr-rr"):
+            if name in rows:
+                r = rows[name]
+                print(f"  ratio {name}/sglang-router: throughput {r['rps'] / sg['rps']:.2f}x "
+                      f"(goal >= 0.5x), added p50 {r['p50_ms'] - base['p50_ms']:.3f} ms vs "
+                      f"{sg['p50_ms'] - base['p50_ms']:.3f} ms (goal <= 0.5 ms)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"decision": dec, "routers": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
