@@ -105,7 +105,13 @@ def bench_decision(iters: int) -> dict:
 # ---------------------------------------------------------------- processes
 def serve_stubs(args) -> None:
     """Child mode: 1 prefill + N decode stubs in one event loop; prints their URLs."""
+    import logging
+
     from stub_worker import StubWorker
+
+    # sglang-router first probes workers with gRPC (HTTP/2 preface): aiohttp logs a
+    # 400 "Pause on PRI/Upgrade" per probe, harmless, then it falls back to HTTP
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
 
     async def run() -> None:
         fixed = np.random.default_rng(2).poisson(3.0, (N_LAYERS, N_EXPERTS)).tolist()

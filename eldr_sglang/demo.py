@@ -221,8 +221,7 @@ def calibrate_from_trace_log(trace_dir: Path, n_clusters: int, model_path: Path,
     counts = np.array([r["counts"] for r in rows], dtype=np.float32)  # [N, n_layers, E]
     builder = SignatureBuilder("idf").fit(counts)
     km = BalancedKMeans(n_clusters=n_clusters, random_state=seed).fit(builder.transform(counts))
-    cfg = json.loads((model_path / "config.json").read_text())
-    spec = ModelSpec(model_path.name, cfg["num_hidden_layers"], cfg["num_experts"], cfg["num_experts_per_tok"])
+    spec = ModelSpec.from_hf_config(json.loads((model_path / "config.json").read_text()), model_path.name)
     art = CalibrationArtifact(spec, "idf", layers, builder.idf_, km.cluster_centers_, tau=0.1,
                               created=creation_info(len(rows), tool="eldr_sglang.demo"))
     art.save(out)
@@ -291,7 +290,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="ELDR vs round robin on a real SGLang CPU PD cluster")
     p.add_argument("--model", type=Path, default=Path(".cache/models/tiny-qwen3-moe"))
     p.add_argument("--decodes", type=int, default=3, help="decode servers (each ~2.5 GB RAM)")
-    p.add_argument("--repeat", type=int, default=2, help="times the workload is replayed per policy")
+    p.add_argument("--repeat", type=int, default=1, help="times the workload is replayed per policy")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--concurrency", type=int, default=12)
     p.add_argument("--out", type=Path, default=Path(".cache/demo"))

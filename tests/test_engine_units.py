@@ -88,3 +88,14 @@ def test_slot_table_reused_slot_is_overwritten_and_shape_mismatch_is_ignored():
 def test_kv_fraction_arithmetic():
     # Qwen3-30B-A3B: 48 layers, 4 KV heads x 128, bf16 -> 98,304 B of KV per token
     assert kv_cache_fraction(4 * 8, 48, 4, 128) == pytest.approx(32 / 98304)
+
+
+def test_artifact_for_another_model_is_refused_at_start_up(tmp_path, fixture_model):
+    from eldr_sglang.core import CalibrationArtifact, ModelSpec
+    from eldr_sglang.patches.flags import check_model
+
+    unit = np.ones((2, 32), np.float32) / np.sqrt(32)
+    path = tmp_path / "other.json"
+    CalibrationArtifact(ModelSpec("other", 4, 32, 4), "idf", [1], np.ones((1, 32), np.float32), unit).save(path)
+    with pytest.raises(FlagError, match="num_experts is 32, expected 16"):
+        check_model(parse_eldr_flags(["--eldr-calibration", str(path)]), str(fixture_model))

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +13,6 @@ import time
 from pathlib import Path
 
 import aiohttp
-import numpy as np
 import orjson
 import pytest
 

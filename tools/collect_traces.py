@@ -36,8 +36,10 @@ def model_spec(model_dir: Path) -> ModelSpec:
     cfg_path = model_dir / "config.json"
     if not cfg_path.is_file():
         raise SystemExit(f"collect_traces: --model: no config.json in {model_dir}")
-    cfg = json.loads(cfg_path.read_text())
-    return ModelSpec(model_dir.name, cfg["num_hidden_layers"], cfg["num_experts"], cfg["num_experts_per_tok"])
+    try:
+        return ModelSpec.from_hf_config(json.loads(cfg_path.read_text()), model_dir.name)
+    except ValueError as exc:
+        raise SystemExit(f"collect_traces: --model: {exc}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,6 +53,16 @@ class ModelSpec:
         return asdict(self)
 
     @classmethod
+    def from_hf_config(cls, cfg: Mapping, name: str) -> "ModelSpec":
+        """From a Hugging Face MoE ``config.json`` (Qwen3-MoE, Mixtral, DeepSeek, GPT-OSS spellings)."""
+        cfg = cfg.get("text_config", cfg)
+        experts = next((cfg[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if cfg.get(k)), None)
+        if experts is None or "num_hidden_layers" not in cfg or "num_experts_per_tok" not in cfg:
+            raise ValueError(f"{name}: config.json is not an MoE config (needs num_hidden_layers, "
+                             "num_experts/num_local_experts/n_routed_experts, num_experts_per_tok)")
+        return cls(name, int(cfg["num_hidden_layers"]), int(experts), int(cfg["num_experts_per_tok"]))
+
+    @classmethod
     def from_dict(cls, d: Mapping, source: str = "meta") -> "ModelSpec":
         missing = [k for k in ("name", "num_layers", "num_experts", "top_k") if k not in d]
         if missing:

@@ -157,9 +157,13 @@ def check_model(config: EngineConfig, model_path: str) -> None:
     cfg_file = Path(model_path) / "config.json"
     if not cfg_file.is_file():
         return  # a hub id: checked again in the scheduler once the model is loaded
-    hf = json.loads(cfg_file.read_text())
-    check_model_dims(config, hf.get("num_hidden_layers"), hf.get("num_experts") or hf.get("n_routed_experts"),
-                     hf.get("num_experts_per_tok"))
+    from eldr_sglang.core.traces import ModelSpec
+
+    try:
+        spec = ModelSpec.from_hf_config(json.loads(cfg_file.read_text()), str(model_path))
+    except ValueError as exc:
+        raise FlagError(f"ELDR needs an MoE model: {exc}") from None
+    check_model_dims(config, spec.num_layers, spec.num_experts, spec.top_k)
 
 
 def check_model_dims(config: EngineConfig, num_layers, num_experts, top_k) -> None:

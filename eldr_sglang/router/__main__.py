@@ -23,7 +23,6 @@ import signal
 import sys
 from typing import Any, Optional
 
-from aiohttp import web
 
 from eldr_sglang.core.policies import POLICY_NAMES
 from eldr_sglang.router.app import Router, start_router
