@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -115,9 +116,20 @@ def pd_cluster(fixture_model: Path, test_artifact: Path, eldr_router_port: int, 
 
 
 def _serve_router(proc: lc.ManagedProcess):
+    """Ready = it answers a real request (sglang-router's /health is up before
+    its workers are registered, and it answers 503 until they are)."""
     _started.append(proc)
     try:
         proc.wait_ready(path="/health", timeout=60)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                greedy_generate(proc.url, "ping", max_new_tokens=1)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
         yield proc
     finally:
         proc.stop()
@@ -162,9 +174,9 @@ def hf_greedy(fixture_model):
     return out
 
 
-def greedy_generate(url: str, prompt: str) -> list[int]:
+def greedy_generate(url: str, prompt: str, max_new_tokens: int = GREEDY_NEW_TOKENS) -> list[int]:
     """Greedy token ids from an SGLang-compatible ``/generate`` endpoint."""
-    body = {"text": prompt, "sampling_params": {"max_new_tokens": GREEDY_NEW_TOKENS,
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": max_new_tokens,
                                                 "temperature": 0, "ignore_eos": True}}
     return http_json(url + "/generate", body, timeout=120)["output_ids"]
 

@@ -79,16 +79,24 @@ def test_signature_counts_equal_hf_gate_topk(eldr_router, hf_topk_counts):
 
 
 def test_prefix_cache_hit_signature_equals_cold_signature(eldr_router, pd_cluster):
+    """Warm (prefix-cache hit, including a radix node split) and cold
+    signatures of the same prompt are identical, count for count."""
     prefill = pd_cluster.prefills[0][0]
     base = "The committee reviewed the quarterly budget report and approved the new hiring plan"
-    route(eldr_router.url, base)  # caches the prefix
-    warm = route(eldr_router.url, base + " for the engineering department next year.")["messages"][0]
-    assert warm["cached_tokens"] > 0, "second request should hit the prefix cache"
+    extended = base + " for the engineering department next year."
+    branch = base + " but postponed the office move until the spring."
     flush_cache(prefill.url)
-    cold = route(eldr_router.url, base + " for the engineering department next year.")["messages"][0]
-    assert cold["cached_tokens"] == 0, "flush_cache should have emptied the prefix cache"
-    assert warm["prompt_tokens"] == cold["prompt_tokens"]
-    assert warm["counts"] == cold["counts"]
+    route(eldr_router.url, base)  # caches the prefix
+    warm = route(eldr_router.url, extended)["messages"][0]
+    assert warm["cached_tokens"] > 0, "should hit the cached prefix"
+    split = route(eldr_router.url, branch)["messages"][0]  # splits the node of `extended` inside `base`
+    assert split["cached_tokens"] > 0
+    flush_cache(prefill.url)  # evicts everything: the next requests reuse freed KV slots
+    for prompt, warm_msg in ((extended, warm), (branch, split)):
+        cold = route(eldr_router.url, prompt)["messages"][0]
+        assert cold["cached_tokens"] == 0, "flush_cache should have emptied the prefix cache"
+        assert warm_msg["prompt_tokens"] == cold["prompt_tokens"]
+        assert warm_msg["counts"] == cold["counts"], prompt
 
 
 def test_eldr_picks_the_decode_server_of_the_best_centroid(eldr_router, pd_cluster, test_artifact):
@@ -130,7 +138,10 @@ def test_bench_serving_through_eldr_router(eldr_router, fixture_model, tmp_path)
     result = run_bench_serving(eldr_router.url, fixture_model, tmp_path / "bench.jsonl", 10, 48, 8)
     assert result["completed"] == 10, result
     after = http_json(eldr_router.url + "/eldr/status")["counters"]
-    assert after.get("signatures_used", 0) - before.get("signatures_used", 0) >= 10
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("requests", "signature_messages", "signatures_used")}
+    # exactly one signature message per PD prefill, each one used for its request
+    assert delta["requests"] >= 10 and delta["signature_messages"] == delta["requests"], delta
+    assert delta["signatures_used"] == delta["requests"], delta
     assert after.get("fallbacks", 0) == before.get("fallbacks", 0), after
 
 
@@ -149,8 +160,8 @@ def test_trace_mode_logs_join_into_calibration_traces(eldr_router, trace_dir, fi
     assert len(traces) >= len(PROMPTS)
     assert traces.prefill_counts.shape[1:] == (4, 16)
     # every prompt token picks top-k = 4 experts per layer; decode computes output_tokens - 1 tokens
-    np.testing.assert_array_equal(traces.prefill_counts.sum(axis=2), 4 * traces.prompt_tokens[:, None])
-    np.testing.assert_array_equal(traces.decode_counts.sum(axis=2), 4 * (traces.output_tokens[:, None] - 1))
+    assert (traces.prefill_counts.sum(axis=2) == 4 * traces.prompt_tokens[:, None]).all()
+    assert (traces.decode_counts.sum(axis=2) == 4 * (traces.output_tokens[:, None] - 1)).all()
     assert traces.gate_prob_sums is not None and (traces.gate_prob_sums.sum(axis=2) <= traces.prompt_tokens[:, None] + 1e-3).all()
     steps = [json.loads(line) for f in trace_dir.glob("steps-*.jsonl") for line in f.open()]
     assert steps and all(4 <= u <= 16 for s in steps for u in s["unique_per_layer"])

@@ -44,7 +44,7 @@ def register_capture(config) -> None:
 
     if capture.STATE is not None:
         return
-    capture.STATE = capture.CaptureState(config)  # publisher, metrics: at the first forward
+    capture.STATE = capture.CaptureState(config)  # tensors and publisher: at the first forward
     HookRegistry.register(TARGETS["scheduler_init"], capture.scheduler_init_after, HookType.AFTER)
     HookRegistry.register(TARGETS["forward"], capture.forward_around, HookType.AROUND)
     HookRegistry.register(TARGETS["select_experts"], capture.select_experts_after, HookType.AFTER)
