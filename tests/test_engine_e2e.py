@@ -80,7 +80,13 @@ def test_signature_counts_equal_hf_gate_topk(eldr_router, hf_topk_counts):
 
 def test_prefix_cache_hit_signature_equals_cold_signature(eldr_router, pd_cluster):
     """Warm (prefix-cache hit, including a radix node split) and cold
-    signatures of the same prompt are identical, count for count."""
+    signatures of the same prompt count every prompt token, and agree.
+
+    Cached tokens' ids come from the KV-slot table exactly as first computed;
+    but SGLang's forward of the new tokens on top of a cached prefix is not
+    bitwise identical to a cold forward of the whole prompt (bf16 reductions
+    in another order), so a token whose k-th and (k+1)-th gate logits nearly
+    tie may swap them: allow one such swap per layer (L1 difference 2)."""
     prefill = pd_cluster.prefills[0][0]
     base = "The committee reviewed the quarterly budget report and approved the new hiring plan"
     extended = base + " for the engineering department next year."
@@ -91,12 +97,15 @@ def test_prefix_cache_hit_signature_equals_cold_signature(eldr_router, pd_cluste
     assert warm["cached_tokens"] > 0, "should hit the cached prefix"
     split = route(eldr_router.url, branch)["messages"][0]  # splits the node of `extended` inside `base`
     assert split["cached_tokens"] > 0
-    flush_cache(prefill.url)  # evicts everything: the next requests reuse freed KV slots
     for prompt, warm_msg in ((extended, warm), (branch, split)):
+        flush_cache(prefill.url)  # evicts everything: the cold run reuses freed KV slots
         cold = route(eldr_router.url, prompt)["messages"][0]
         assert cold["cached_tokens"] == 0, "flush_cache should have emptied the prefix cache"
         assert warm_msg["prompt_tokens"] == cold["prompt_tokens"]
-        assert warm_msg["counts"] == cold["counts"], prompt
+        warm_counts, cold_counts = np.array(warm_msg["counts"]), np.array(cold["counts"])
+        for counts in (warm_counts, cold_counts):  # cached + new tokens all counted, top-4 each
+            assert (counts.sum(axis=1) == 4 * cold["prompt_tokens"]).all(), prompt
+        assert (np.abs(warm_counts - cold_counts).sum(axis=1) <= 2).all(), (prompt, warm_counts, cold_counts)
 
 
 def test_eldr_picks_the_decode_server_of_the_best_centroid(eldr_router, pd_cluster, test_artifact):
@@ -161,7 +170,11 @@ def test_trace_mode_logs_join_into_calibration_traces(eldr_router, trace_dir, fi
     assert traces.prefill_counts.shape[1:] == (4, 16)
     # every prompt token picks top-k = 4 experts per layer; decode computes output_tokens - 1 tokens
     assert (traces.prefill_counts.sum(axis=2) == 4 * traces.prompt_tokens[:, None]).all()
-    assert (traces.decode_counts.sum(axis=2) == 4 * (traces.output_tokens[:, None] - 1)).all()
+    # decode computes output_tokens - 1 tokens, plus the one step that SGLang's
+    # overlap scheduler runs ahead before it sees the request finished
+    decode_tokens = traces.decode_counts.sum(axis=2) // 4
+    assert (traces.decode_counts.sum(axis=2) % 4 == 0).all()
+    assert ((decode_tokens == traces.output_tokens[:, None] - 1) | (decode_tokens == traces.output_tokens[:, None])).all()
     assert traces.gate_prob_sums is not None and (traces.gate_prob_sums.sum(axis=2) <= traces.prompt_tokens[:, None] + 1e-3).all()
     steps = [json.loads(line) for f in trace_dir.glob("steps-*.jsonl") for line in f.open()]
     assert steps and all(4 <= u <= 16 for s in steps for u in s["unique_per_layer"])
