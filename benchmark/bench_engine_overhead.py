@@ -5,9 +5,9 @@
   the KV-slot table (once per layer) and counting them for the signature
   (once per request), against the MoE layer's own top-k selection
   (softmax + topk over the gate logits) as a yardstick;
-* --servers: a real SGLang CPU server started stock and then with
-  ``--eldr-layers all --eldr-metrics-port``: mean prefill latency of the same
-  prompts (max_new_tokens=1), and the ratio. Noisy on 2 shared cores.
+* --servers: two real SGLang CPU servers side by side, one stock, one with
+  ``--eldr-layers all --eldr-metrics-port``: median latency of the same
+  prompts (max_new_tokens=1, alternated between the two), and the ratio.
 
     python benchmark/bench_engine_overhead.py [--servers]
 """
@@ -47,26 +47,31 @@ def micro(tokens: int, layers: int, n_sel: int, experts: int, top_k: int) -> Non
 
 
 def servers(model: str, prompts: int) -> None:
+    """Both servers up at once, requests alternated, so drift hits both alike."""
     from eldr_sglang import local_cluster as lc
 
     texts = [f"Request {i}: " + "the quick brown fox jumps over the lazy dog " * 12 for i in range(prompts)]
-    results = {}
-    for name, extra in (("stock", []), ("eldr", ["--eldr-layers", "all", "--eldr-metrics-port", str(lc.free_port())])):
-        spec = lc.ServerSpec(model, extra_args=extra + ["--disable-radix-cache"])
-        proc = lc.start_server(spec, Path(".cache/bench-logs"), f"overhead-{name}")
-        try:
-            proc.wait_ready()
-            lat = []
-            for t in texts:
+    variants = {"stock": [], "eldr": ["--eldr-layers", "all", "--eldr-metrics-port", str(lc.free_port())]}
+    procs = {}
+    try:
+        for name, extra in variants.items():
+            spec = lc.ServerSpec(model, extra_args=extra + ["--disable-radix-cache"])
+            procs[name] = lc.start_server(spec, Path(".cache/bench-logs"), f"overhead-{name}")
+            procs[name].wait_ready()
+        lat = {name: [] for name in procs}
+        for i, text in enumerate(texts):
+            order = list(procs) if i % 2 else list(reversed(procs))
+            for name in order:
                 t0 = time.perf_counter()
-                lc.http_json(proc.url + "/generate", {"text": t, "sampling_params": {"max_new_tokens": 1}})
-                lat.append(time.perf_counter() - t0)
-            results[name] = statistics.median(lat[2:])
-        finally:
+                lc.http_json(procs[name].url + "/generate", {"text": text, "sampling_params": {"max_new_tokens": 1}})
+                lat[name].append(time.perf_counter() - t0)
+    finally:
+        for proc in procs.values():
             proc.stop()
-    print(f"real server, {prompts} prompts of ~120 tokens, median prefill request latency: stock "
-          f"{results['stock'] * 1e3:.1f} ms, with ELDR capture {results['eldr'] * 1e3:.1f} ms "
-          f"(ratio {results['eldr'] / results['stock']:.3f})")
+    med = {name: statistics.median(v[2:]) for name, v in lat.items()}
+    print(f"real servers side by side, {prompts} prompts of ~120 tokens alternated, median prefill request "
+          f"latency: stock {med['stock'] * 1e3:.1f} ms, with ELDR capture (all layers) {med['eldr'] * 1e3:.1f} ms "
+          f"(ratio {med['eldr'] / med['stock']:.3f})")
 
 
 def main() -> None:
