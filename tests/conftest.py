@@ -213,6 +213,12 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Run the single-server tests first: their server stops before the
-    shared PD cluster starts, so at most three servers run at once."""
-    items.sort(key=lambda item: 0 if "single_server" in getattr(item, "fixturenames", ()) else 1)
+    """Run the single-server tests first (their server stops before the shared
+    PD cluster starts, so at most three servers run at once) and the
+    destructive ones (they kill servers of the shared cluster) last."""
+    def rank(item) -> int:
+        if "single_server" in getattr(item, "fixturenames", ()):
+            return 0
+        return 2 if item.get_closest_marker("destructive") else 1
+
+    items.sort(key=rank)
