@@ -45,9 +45,10 @@ def fixture_model() -> Path:
 
 @pytest.fixture(scope="module")
 def single_server(fixture_model: Path):
-    """One plain (non-PD) SGLang CPU server with the ELDR plugin installed
-    (module scope: stopped before the PD servers start)."""
-    proc = lc.start_server(lc.ServerSpec(str(fixture_model)), LOG_DIR, "single")
+    """One plain (non-PD) SGLang CPU server with the ELDR plugin capturing
+    layers 1 and 3 (module scope: stopped before the PD servers start)."""
+    spec = lc.ServerSpec(str(fixture_model), extra_args=["--eldr-layers", ",".join(map(str, TEST_ARTIFACT_LAYERS))])
+    proc = lc.start_server(spec, LOG_DIR, "single")
     _started.append(proc)
     try:
         proc.wait_ready(progress=_progress)

@@ -18,6 +18,7 @@ TARGETS = {
                       ".process_batch_result_disagg_prefill",
     "release": "sglang.srt.mem_cache.common.release_kv_cache",
     "scheduler_init": "sglang.srt.managers.scheduler.Scheduler.__init__",
+    "output_streamer": "sglang.srt.managers.scheduler.Scheduler.get_output_streamer_class",
 }
 
 
@@ -49,5 +50,5 @@ def register_capture(config) -> None:
     HookRegistry.register(TARGETS["forward"], capture.forward_around, HookType.AROUND)
     HookRegistry.register(TARGETS["select_experts"], capture.select_experts_after, HookType.AFTER)
     HookRegistry.register(TARGETS["disagg_prefill"], capture.disagg_prefill_after, HookType.AFTER)
-    if config.trace_dir:
-        HookRegistry.register(TARGETS["release"], capture.release_before, HookType.BEFORE)
+    HookRegistry.register(TARGETS["output_streamer"], capture.output_streamer_class_after, HookType.AFTER)
+    HookRegistry.register(TARGETS["release"], capture.release_before, HookType.BEFORE)

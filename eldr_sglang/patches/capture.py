@@ -64,6 +64,9 @@ class CaptureState:
     gate_logit: torch.Tensor | None = None
     publish_layers: list[int] = field(default_factory=list)
     publish_columns: torch.Tensor | None = None
+    scheduler: object | None = None
+    returned: set = field(default_factory=set)  # rids whose signature went into meta_info
+    pending: dict = field(default_factory=dict)  # rid -> signature computed as its KV was released
 
     def fail_once(self, where: str, exc: BaseException) -> None:
         if where not in self.failed:
@@ -142,6 +145,8 @@ def scheduler_init_after(result, scheduler, *args, **kwargs):
     """AFTER ``Scheduler.__init__``: the metrics endpoint is up as soon as the
     server is (not only after its first forward); rank 0 only."""
     state = STATE
+    if state is not None:
+        state.scheduler = scheduler
     if state is not None and state.config.metrics_port and _tp_rank() == 0:
         try:
             from eldr_sglang.patches.metrics import serve_metrics
@@ -266,15 +271,19 @@ def disagg_prefill_after(result, scheduler, batch, *args, **kwargs):
 
 
 def release_before(req, *args, **kwargs):
-    """BEFORE ``mem_cache.common.release_kv_cache``: a finished request's
-    decode expert counts (trace mode) are written and its row cleared."""
+    """BEFORE ``mem_cache.common.release_kv_cache`` (the request's KV rows are
+    still valid): keep the signature a request asked for until its output is
+    streamed; in trace mode, write its decode expert counts and clear its row."""
     state = STATE
-    if state is None or state.decode_acc is None:
+    if state is None or getattr(req, "kv", None) is None or req.kv.req_pool_idx is None:
         return None
     try:
-        row = req.kv.req_pool_idx if getattr(req, "kv", None) is not None else None
-        if row is not None and not str(req.rid).startswith(HEALTH_CHECK_PREFIX):
-            counts = state.decode_acc[row]
+        if wants_signature(req) and req.rid not in state.returned:
+            msg = _meta_signature(state, req)
+            if msg is not None:
+                state.pending[req.rid] = msg
+        if state.decode_acc is not None and not str(req.rid).startswith(HEALTH_CHECK_PREFIX):
+            counts = state.decode_acc[req.kv.req_pool_idx]
             if int(counts.sum()) > 0:
                 state.trace_writer.write("decode", {
                     "rid": req.rid, "bootstrap_room": req.bootstrap_room,
@@ -282,5 +291,60 @@ def release_before(req, *args, **kwargs):
                     "decode_counts": counts.cpu().tolist()})
                 counts.zero_()
     except Exception as exc:
-        state.fail_once("decode trace", exc)
+        state.fail_once("release hook", exc)
     return None
+
+
+META_KEY = "eldr_signature"
+
+
+def wants_signature(req) -> bool:
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
+    return bool(params.get(META_KEY))
+
+
+def _meta_signature(state: CaptureState, req) -> dict | None:
+    if state.table is None or state.scheduler is None:
+        return None
+    counts = prompt_counts(state.scheduler, req, state.table).index_select(0, state.publish_columns)
+    return signature_message(req, counts, state.publish_layers)
+
+
+def signature_for_meta_info(req) -> list:
+    """``[message]`` the first time a request that asked for it
+    (``sampling_params.custom_params.eldr_signature``) outputs, else ``[]``."""
+    state = STATE
+    if state is None or not wants_signature(req):
+        return []
+    msg = state.pending.pop(req.rid, None)
+    try:
+        if msg is None and req.rid not in state.returned and req.kv.req_pool_idx is not None:
+            msg = _meta_signature(state, req)
+    except Exception as exc:
+        state.fail_once("signature in meta_info", exc)
+    if req.finished():
+        state.returned.discard(req.rid)
+    elif msg is not None:
+        state.returned.add(req.rid)
+    return [msg] if msg is not None else []
+
+
+def output_streamer_class_after(result, scheduler, *args, **kwargs):
+    """AFTER ``Scheduler.get_output_streamer_class``: a subclass that adds the
+    signature to ``meta_info`` for requests that ask for it."""
+    if STATE is None or getattr(getattr(scheduler, "disaggregation_mode", None), "value", None) == "decode":
+        return result  # a decode server received the prompt's KV, not its expert ids
+
+    class ELDROutputStreamer(result):
+        has_additional_customized_info = True
+
+        def build_additional_customized_info(self, reqs):
+            extra = super().build_additional_customized_info(reqs)
+            if any(wants_signature(r) for r in reqs):  # else no key at all: stock meta_info
+                extra[META_KEY] = [signature_for_meta_info(r) for r in reqs]
+            return extra
+
+        def is_request_level_customized_info_key(self, key: str) -> bool:
+            return key == META_KEY or super().is_request_level_customized_info_key(key)
+
+    return ELDROutputStreamer
