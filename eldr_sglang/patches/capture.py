@@ -162,7 +162,7 @@ def forward_around(original, model_runner, forward_batch, *args, **kwargs):
     if state is None:
         return original(model_runner, forward_batch, *args, **kwargs)
     try:
-        if not state.ready:
+        if not state.ready and "initialisation" not in state.failed:  # one try: a failure disables capture
             _init(state, model_runner)
         state.forward_batch = forward_batch
     except Exception as exc:
