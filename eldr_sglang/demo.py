@@ -115,6 +115,7 @@ class PhaseReport:
     label_mix: dict[str, Counter] = field(default_factory=dict)
     unique_per_step: dict[str, float] = field(default_factory=dict)
     steps: dict[str, float] = field(default_factory=dict)
+    by_batch: dict[int, list[int]] = field(default_factory=dict)  # batch size -> distinct experts per step
     wall: float = 0.0
 
     def unique_overall(self) -> float:
@@ -192,11 +193,21 @@ def decode_counters(cluster: lc.PDCluster) -> dict[str, tuple[float, float]]:
     return out
 
 
-def run_phase(cluster: lc.PDCluster, router: lc.ManagedProcess, policy: str, rows, args) -> PhaseReport:
-    before = decode_counters(cluster)
+def step_lines(trace_dir: Path) -> dict[Path, list[dict]]:
+    """Per-step records (batch size, distinct experts per layer) the decode servers logged."""
+    return {f: [json.loads(line) for line in f.open()] for f in trace_dir.glob("steps-*.jsonl")}
+
+
+def run_phase(cluster: lc.PDCluster, router: lc.ManagedProcess, policy: str, rows, args,
+              decode_trace: Path) -> PhaseReport:
+    before, steps_before = decode_counters(cluster), step_lines(decode_trace)
     results, wall = asyncio.run(replay(router.url, rows, args.max_new_tokens, args.concurrency, policy))
+    time.sleep(1.0)  # trace lines are written by a background thread
     after = decode_counters(cluster)
     report = PhaseReport(policy, results, wall=wall)
+    for f, lines in step_lines(decode_trace).items():
+        for step in lines[len(steps_before.get(f, [])):]:
+            report.by_batch.setdefault(step["batch_size"], []).append(sum(step["unique_per_layer"]))
     label_of = {f"{policy}-{r.rid}": r.label for r in results}
     report.label_mix = {proc.url: Counter() for proc, _ in cluster.decodes}
     for decision in lc.http_json(router.url + f"/eldr/decisions?last={len(rows) + 10}"):
@@ -228,6 +239,20 @@ def calibrate_from_trace_log(trace_dir: Path, n_clusters: int, model_path: Path,
     return out
 
 
+def matched_change(base: PhaseReport, other: PhaseReport) -> tuple[float, int]:
+    """Relative change of distinct experts per step at equal batch size: the
+    per-batch-size means compared, weighted by the smaller step count."""
+    num = den = 0.0
+    matched = 0
+    for b in set(base.by_batch) & set(other.by_batch):
+        w = min(len(base.by_batch[b]), len(other.by_batch[b]))
+        mb, mo = np.mean(base.by_batch[b]), np.mean(other.by_batch[b])
+        num += w * (mo - mb) / mb
+        den += w
+        matched += w
+    return (100.0 * num / den if den else float("nan")), matched
+
+
 def print_report(reports: list[PhaseReport], decode_urls: list[str]) -> str:
     lines = []
     w = 18
@@ -246,10 +271,15 @@ def print_report(reports: list[PhaseReport], decode_urls: list[str]) -> str:
     lines.append("mean experts/decode step".ljust(26) + "".join(f"{rep.unique_overall():{w}.2f}" for rep in reports))
     for key in figs[0]:
         lines.append(key.ljust(26) + "".join(f"{f[key]:{w}.1f}" for f in figs))
-    base, eldr = reports[0].unique_overall(), reports[-1].unique_overall()
-    change = 100.0 * (eldr - base) / base
-    verdict = (f"ELDR activated {abs(change):.1f}% {'fewer' if change < 0 else 'more'} distinct experts per "
-               f"decode step than {reports[0].policy} ({eldr:.2f} vs {base:.2f}).")
+    change, matched = matched_change(reports[0], reports[-1])
+    lines.append("distinct experts per step by batch size (batch: " + reports[0].policy + " | "
+                 + reports[-1].policy + "):")
+    for b in sorted(set(reports[0].by_batch) | set(reports[-1].by_batch)):
+        cells = [f"{np.mean(r.by_batch[b]):5.1f} ({len(r.by_batch[b])} steps)" if b in r.by_batch else "-"
+                 for r in (reports[0], reports[-1])]
+        lines.append(f"  {b:3d}: {cells[0]} | {cells[1]}")
+    verdict = (f"at equal batch size, ELDR activated {abs(change):.1f}% {'fewer' if change < 0 else 'more'} "
+               f"distinct experts per decode step than {reports[0].policy} ({matched} matched steps).")
     lines.append("")
     lines.append("Verdict: " + verdict)
     lines.append("Note: CPU latency here does not stand for GPU latency; distinct experts per decode step is the")
@@ -305,9 +335,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = args.out
-    trace_dir = out / "trace"
-    if trace_dir.exists():
-        for f in trace_dir.glob("*.jsonl"):
+    trace_dir, decode_trace = out / "trace", out / "trace-decode"
+    for d in (trace_dir, decode_trace):
+        for f in d.glob("*.jsonl") if d.exists() else ():
             f.unlink()
     logs = out / "logs"
     router_port = lc.free_port()
@@ -323,7 +353,8 @@ def main(argv=None) -> int:
         cluster = lc.start_pd_cluster(
             str(args.model), logs, n_prefill=1, n_decode=args.decodes, eldr_metrics=True, progress=progress,
             prefill_args=["--eldr-layers", "all", "--eldr-trace-dir", str(trace_dir),
-                          "--eldr-publish", f"http://127.0.0.1:{router_port}/eldr/signature"])
+                          "--eldr-publish", f"http://127.0.0.1:{router_port}/eldr/signature"],
+            decode_args=["--eldr-trace-dir", str(decode_trace)])
         decode_urls = [p.url for p, _ in cluster.decodes]
         rows = workload(args.repeat)
         reports = []
@@ -338,7 +369,7 @@ def main(argv=None) -> int:
             router.wait_ready(timeout=60)
             print(f"Replaying {len(rows)} requests ({len(WORKLOAD)} labels, concurrency {args.concurrency}) "
                   f"through the ELDR router, --policy {policy} ...", flush=True)
-            reports.append(run_phase(cluster, router, policy, rows, args))
+            reports.append(run_phase(cluster, router, policy, rows, args, decode_trace))
             router.stop()
             router = None
         text = print_report(reports, decode_urls)
