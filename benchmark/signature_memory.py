@@ -10,7 +10,7 @@ arithmetic from the models' published configs (bf16 KV cache).
 
 from __future__ import annotations
 
-from eldr_sglang.radix_signature import ExpertSlotTable, kv_cache_fraction
+from eldr_sglang.radix_signature import ExpertSlotTable, kv_bytes_per_token
 
 MODELS = {  # name: (layers, kv_heads, head_dim, experts, top_k)
     "tiny-qwen3-moe (fixture)": (4, 2, 32, 16, 4),
@@ -26,8 +26,8 @@ def main() -> None:
             if n_sel > layers:
                 continue
             table = ExpertSlotTable(1, list(range(n_sel)), experts, top_k)
-            kv = layers * 2 * kv_heads * head_dim * 2
-            frac = kv_cache_fraction(table.bytes_per_token, layers, kv_heads, head_dim)
+            kv = kv_bytes_per_token(layers, kv_heads, head_dim)
+            frac = table.bytes_per_token / kv
             print(f"{name:26} {n_sel:>16} {table.bytes_per_token:>12} {kv:>11} {100 * frac:>8.3f}%")
 
 

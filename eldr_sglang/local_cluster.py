@@ -11,6 +11,7 @@ where CUDA is present the same code starts normal GPU servers.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -24,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eldr_sglang.patches.cpu_compat import cuda_available
+
 #: KV slots per CPU server: bounds the memory SGLang reserves (it otherwise
 #: sizes the pool from the machine's free RAM).
 CPU_MAX_TOTAL_TOKENS = 16384
@@ -35,13 +38,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@functools.lru_cache(maxsize=None)
 def on_cpu() -> bool:
-    try:
-        import torch
-
-        return not torch.cuda.is_available()
-    except Exception:
-        return True
+    return not cuda_available()
 
 
 def http_json(url: str, body: dict | None = None, timeout: float = 60.0) -> dict:

@@ -159,13 +159,21 @@ GREEDY_NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="session")
-def hf_greedy(fixture_model):
-    """Greedy continuations from transformers' own Qwen3-MoE implementation."""
+def hf_model(fixture_model):
+    """(tokenizer, model): transformers' own Qwen3-MoE on the fixture, bf16."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(fixture_model)
-    model = AutoModelForCausalLM.from_pretrained(fixture_model, dtype=torch.bfloat16)
+    return (AutoTokenizer.from_pretrained(fixture_model),
+            AutoModelForCausalLM.from_pretrained(fixture_model, dtype=torch.bfloat16))
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model):
+    """Greedy continuations from transformers' own Qwen3-MoE implementation."""
+    import torch
+
+    tok, model = hf_model
     out = {}
     for prompt in GREEDY_PROMPTS:
         ids = tok(prompt).input_ids

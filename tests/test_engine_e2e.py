@@ -39,13 +39,11 @@ def route(router_url: str, prompt: str, max_new_tokens: int = 4) -> dict:
 
 
 @pytest.fixture(scope="module")
-def hf_topk_counts(fixture_model):
+def hf_topk_counts(hf_model):
     """Per-layer top-k expert counts of each prompt from transformers' own gates."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(fixture_model)
-    model = AutoModelForCausalLM.from_pretrained(fixture_model, dtype=torch.bfloat16)
+    tok, model = hf_model
     top_k, n_exp = model.config.num_experts_per_tok, model.config.num_experts
 
     def counts(prompt: str) -> tuple[int, np.ndarray]:

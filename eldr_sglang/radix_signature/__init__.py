@@ -56,8 +56,12 @@ class ExpertSlotTable:
         return torch.bincount(flat, minlength=n_layers * n_exp).view(n_layers, n_exp)
 
 
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_bytes: int = 2) -> int:
+    """K and V of every layer for one token."""
+    return num_layers * 2 * num_kv_heads * head_dim * kv_bytes
+
+
 def kv_cache_fraction(bytes_per_token_ids: int, num_layers: int, num_kv_heads: int, head_dim: int,
                       kv_bytes: int = 2) -> float:
     """Expert-id bytes per token as a fraction of the KV-cache bytes per token."""
-    kv_per_token = num_layers * 2 * num_kv_heads * head_dim * kv_bytes
-    return bytes_per_token_ids / kv_per_token
+    return bytes_per_token_ids / kv_bytes_per_token(num_layers, num_kv_heads, head_dim, kv_bytes)
