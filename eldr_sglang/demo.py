@@ -5,8 +5,9 @@
    top-k expert ids, publishes signatures to the router and logs them;
 2. start the ELDR router with ``--policy round_robin`` and replay a mixed
    workload (code, medicine, law, maths; English, Chinese, Russian, French);
-3. calibrate from the signatures the prefill server logged in step 2 (IDF,
-   balanced K-means with K = N), write the artifact;
+3. calibrate from the trace logs of step 2 the way an operator would:
+   ``tools/collect_traces.py`` then ``python -m eldr_sglang.calibrate``
+   (IDF, balanced K-means with K = N, label purity, a PCA map);
 4. restart only the router with ``--policy eldr`` and replay the same workload;
 5. print, per policy: each decode server's label mix, the mean distinct experts
    per decode step measured inside the decode servers, latency figures; save
@@ -20,7 +21,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -221,22 +224,27 @@ def run_phase(cluster: lc.PDCluster, router: lc.ManagedProcess, policy: str, row
     return report
 
 
-def calibrate_from_trace_log(trace_dir: Path, n_clusters: int, model_path: Path, out: Path, seed: int = 0) -> Path:
-    """IDF + balanced K-means over the signatures the prefill server logged."""
-    from eldr_sglang.core import BalancedKMeans, CalibrationArtifact, ModelSpec, SignatureBuilder, creation_info
+def calibrate(trace_dirs: list[Path], rows, tag: str, n_clusters: int, model_path: Path, out: Path) -> Path:
+    """The operator's path: join the servers' trace logs into trace shards
+    (``tools/collect_traces.py``), then ``python -m eldr_sglang.calibrate``
+    on the layers the prefill server publishes (all 4)."""
+    from eldr_sglang.calibrate import main as calibrate_main
 
-    rows = [json.loads(line) for f in sorted(trace_dir.glob("prefill-*.jsonl")) for line in f.open()]
-    if len(rows) < n_clusters:
-        raise RuntimeError(f"only {len(rows)} signatures in {trace_dir}; need at least {n_clusters}")
-    layers = rows[0]["layers"]
-    counts = np.array([r["counts"] for r in rows], dtype=np.float32)  # [N, n_layers, E]
-    builder = SignatureBuilder("idf").fit(counts)
-    km = BalancedKMeans(n_clusters=n_clusters, random_state=seed).fit(builder.transform(counts))
-    spec = ModelSpec.from_hf_config(json.loads((model_path / "config.json").read_text()), model_path.name)
-    art = CalibrationArtifact(spec, "idf", layers, builder.idf_, km.cluster_centers_, tau=0.1,
-                              created=creation_info(len(rows), tool="eldr_sglang.demo"))
-    art.save(out)
-    return out
+    labels = out / "labels.jsonl"
+    labels.write_text("".join(json.dumps({"rid": f"{tag}-{rid}", "task": label.split("/")[0],
+                                          "language": label.split("/")[1]}) + "\n"
+                              for rid, label, _ in rows))
+    traces = out / "traces"
+    shutil.rmtree(traces, ignore_errors=True)
+    collect = Path(__file__).resolve().parents[1] / "tools" / "collect_traces.py"
+    subprocess.run([sys.executable, str(collect), "--logs", *map(str, trace_dirs), "--model", str(model_path),
+                    "--out", str(traces), "--labels", str(labels)], check=True)
+    artifact = out / "artifact.json"
+    num_layers = json.loads((model_path / "config.json").read_text())["num_hidden_layers"]
+    if calibrate_main(["--traces", str(traces), "--clusters", str(n_clusters), "--out", str(artifact),
+                       "--layers", ",".join(map(str, range(num_layers))), "--plot", str(out / "map.png")]):
+        raise RuntimeError("calibration failed")
+    return artifact
 
 
 def matched_change(base: PhaseReport, other: PhaseReport) -> tuple[float, int]:
@@ -358,11 +366,11 @@ def main(argv=None) -> int:
         decode_urls = [p.url for p, _ in cluster.decodes]
         rows = workload(args.repeat)
         reports = []
-        artifact = out / "artifact.json"
+        artifact = None
         for policy in ("round_robin", "eldr"):
             if policy == "eldr":
-                print(f"Calibrating from {trace_dir} (IDF + balanced K-means, K={args.decodes}) ...", flush=True)
-                calibrate_from_trace_log(trace_dir, args.decodes, args.model, artifact)
+                print(f"Calibrating from the trace logs of round_robin's run (K={args.decodes}) ...", flush=True)
+                artifact = calibrate([trace_dir, decode_trace], rows, "round_robin", args.decodes, args.model, out)
                 lc.flush_cache(cluster.prefills[0][0].url)  # same cold start as phase 1
             router = lc.start_eldr_router(cluster, logs, policy=policy, port=router_port,
                                           artifact=artifact if policy == "eldr" else None)
