@@ -104,7 +104,7 @@ def _qwen3_30b(name: str, peak_bw: float, moe_layer_fixed_s: float | None = None
     attn_params = layers * (hidden * 32 * 128 + 2 * hidden * 4 * 128 + 32 * 128 * hidden)  # q, k, v, o
     dense_bytes = (attn_params + 2 * vocab * hidden) * BF16  # + embedding and lm head
     kv_bytes_per_token = layers * 2 * 4 * 128 * BF16  # K and V, 4 KV heads of 128
-    per_token = 0.1e-6
+    per_token = 0.05e-6
     fixed_layer = moe_layer_fixed_s if moe_layer_fixed_s is not None else fit_moe_layer_fixed(expert_bytes / bw, per_token)
     return CostParams(
         name=name, num_moe_layers=layers, num_experts=128, top_k=8,

@@ -1,0 +1,95 @@
+"""Turn a TraceSet into SIMULATED requests: lengths, labels and decode expert profiles.
+
+Compression of per-step expert sets (traces store only per-request totals):
+``decode_counts[L, E]`` counts the decode steps in which expert ``e`` was in the
+request's top-k at layer ``L``. The request's number of decode steps is estimated
+as ``decode_counts.sum() / (L * top_k)`` (every step picks exactly ``top_k``
+experts per layer), and at least the largest single count and ``p[L, E] = decode_counts / steps`` (clipped below 1) is
+the probability that one of its steps uses expert ``e``. A batch's distinct
+experts per layer is then the EXPECTED UNION of independent Bernoulli draws,
+``sum_e (1 - prod_r (1 - p_re))``; the simulator keeps ``sum_r log(1 - p_re)``
+per server, so :data:`SimWorkload.log1mp` stores ``log(1 - p)``.
+
+Lengths: the trace's own prompt/output lengths, optionally rescaled to target
+means (the relative spread of the trace is kept); output lengths are at least 2
+so every request has at least one decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..core.traces import TraceSet
+
+__all__ = ["SimWorkload", "decode_step_probs", "build_workload", "label_kind_for", "P_MAX"]
+
+P_MAX = 1.0 - 1e-6  # an expert used in every step still leaves log(1 - p) finite
+
+
+@dataclass
+class SimWorkload:
+    """Per-request arrays the simulator draws from (N requests of one split)."""
+
+    name: str
+    prompt_tokens: np.ndarray  # [N] int64
+    output_tokens: np.ndarray  # [N] int64, >= 2
+    log1mp: np.ndarray  # [N, L, E] float64, log(1 - p) per decode step
+    labels: np.ndarray  # [N] str, the label the Domain baseline partitions by
+    num_experts: int
+    top_k: int
+
+    def __len__(self) -> int:
+        return int(self.prompt_tokens.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.log1mp.shape[1])
+
+    def mean_unique_fraction(self) -> float:
+        """Mean over requests and layers of (distinct experts of ONE decode step) / E: top_k / E."""
+        return float((1.0 - np.exp(self.log1mp)).sum(axis=2).mean() / self.num_experts)
+
+
+def decode_step_probs(traces: TraceSet) -> np.ndarray:
+    """[N, L, E] probability that one decode step of request n uses expert e at layer l."""
+    counts = traces.decode_counts.astype(np.float64)
+    L, k = traces.model.num_layers, traces.model.top_k
+    steps = np.maximum(counts.sum(axis=(1, 2)) / (L * k), counts.max(axis=(1, 2)))
+    steps = np.maximum(steps, 1.0)
+    return np.minimum(counts / steps[:, None, None], P_MAX)
+
+
+def label_kind_for(traces: TraceSet, workload: str) -> str:
+    """The label kind the Domain baseline uses: "language" for the language workload,
+    else "domain" (or "task", the synthetic traces' name for it)."""
+    wanted = ("language",) if workload == "language" else ("domain", "task")
+    for kind in wanted:
+        if kind in traces.labels:
+            return kind
+    raise ValueError(f"traces have labels {sorted(traces.labels)}; workload {workload!r} needs one of {wanted}")
+
+
+def _rescale(lengths: np.ndarray, target_mean: float | None, minimum: int) -> np.ndarray:
+    lengths = np.asarray(lengths, dtype=np.float64)
+    if target_mean:
+        lengths = lengths * (target_mean / max(lengths.mean(), 1e-9))
+    return np.maximum(np.rint(lengths), minimum).astype(np.int64)
+
+
+def build_workload(traces: TraceSet, label_kind: str, name: str = "",
+                   mean_prompt_tokens: float | None = None,
+                   mean_output_tokens: float | None = None) -> SimWorkload:
+    """Simulated requests from ``traces`` (lengths rescaled to the given means when set)."""
+    if label_kind not in traces.labels:
+        raise ValueError(f"label kind {label_kind!r} not in the traces' labels {sorted(traces.labels)}")
+    return SimWorkload(
+        name=name or traces.model.name,
+        prompt_tokens=_rescale(traces.prompt_tokens, mean_prompt_tokens, 1),
+        output_tokens=_rescale(traces.output_tokens, mean_output_tokens, 2),
+        log1mp=np.log1p(-decode_step_probs(traces)),
+        labels=np.asarray(traces.labels[label_kind], dtype=str),
+        num_experts=traces.model.num_experts,
+        top_k=traces.model.top_k,
+    )
