@@ -1,0 +1,177 @@
+"""Measure one MoE layer's time against the number of distinct experts its batch uses.
+
+    python benchmark/microbench_moe_layer.py [--device cpu|cuda] [--hidden 2048 --ffn 768]
+        [--experts 128 --top-k 8] [--batches 32,128] [--unique 8,16,32,64,128] [--json out.json]
+
+A decode-style layer: the batch's routing is built so that exactly ``u`` distinct
+experts are hit (every token picks ``top_k`` of them); the layer gathers those
+experts' weights (``W[unique_ids]``), runs the SwiGLU expert MLPs as one batched
+matmul over per-expert token groups, and combines the outputs. This is a MEASURED
+figure on whatever hardware runs it; ``benchmark/report.py`` compares its shape
+(time vs distinct experts, and vs batch size) with the cost model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1 ...")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                    help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--hidden", type=int, default=2048, help="model width (Qwen3-30B-A3B: 2048)")
+    ap.add_argument("--ffn", type=int, default=768, help="expert FFN width (Qwen3-30B-A3B: 768)")
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--batches", type=_int_list, default=[32, 128], help="batch sizes (tokens per step)")
+    ap.add_argument("--unique", type=_int_list, default=[8, 16, 32, 64, 96, 128], help="distinct experts to hit")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write the measurements here")
+    return ap
+
+
+def routing(batch: int, unique: int, top_k: int, experts: int, gen):
+    """[batch, top_k] expert ids hitting exactly ``unique`` distinct experts, and their weights."""
+    import torch
+
+    chosen = torch.randperm(experts, generator=gen)[:unique]
+    slots = torch.arange(batch * top_k).reshape(batch, top_k) % unique  # distinct per token (unique >= top_k)
+    ids = chosen[slots]
+    weights = torch.softmax(torch.randn(batch, top_k, generator=gen), dim=-1)
+    return ids, weights
+
+
+def moe_layer(x, ids, weights, w13, w2, buf13=None, buf2=None):
+    """Gather the distinct experts' weights, batched SwiGLU MLPs over token groups, combine."""
+    import torch
+
+    batch, top_k = ids.shape
+    flat_e = ids.reshape(-1)
+    flat_tok = torch.arange(batch, device=x.device).repeat_interleave(top_k)
+    uniq, inv = torch.unique(flat_e, return_inverse=True)
+    order = torch.argsort(inv, stable=True)
+    group = inv[order]
+    counts = torch.bincount(group, minlength=uniq.numel())
+    starts = torch.cumsum(counts, 0) - counts
+    pos = torch.arange(group.numel(), device=x.device) - starts[group]
+    cap = int(counts.max())
+    disp = x.new_zeros(uniq.numel(), cap, x.shape[1])
+    disp[group, pos] = x[flat_tok[order]]
+    n = uniq.numel()
+    # gather: reads the distinct experts' weights only (into preallocated buffers when given)
+    g13 = w13[uniq] if buf13 is None else torch.index_select(w13, 0, uniq, out=buf13[:n])
+    g2 = w2[uniq] if buf2 is None else torch.index_select(w2, 0, uniq, out=buf2[:n])
+    gate_up = torch.bmm(disp, g13.transpose(1, 2))
+    g, u = gate_up.chunk(2, dim=-1)
+    out = torch.bmm(torch.nn.functional.silu(g) * u, g2.transpose(1, 2))
+    y = x.new_zeros(x.shape)
+    y.index_add_(0, flat_tok[order], out[group, pos] * weights.reshape(-1)[order, None].to(x.dtype))
+    return y
+
+
+def measure(args: argparse.Namespace) -> dict:
+    import torch
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(args.seed)
+    w13 = (torch.randn(args.experts, 2 * args.ffn, args.hidden, generator=gen) * 0.02).to(device, dtype)
+    w2 = (torch.randn(args.experts, args.hidden, args.ffn, generator=gen) * 0.02).to(device, dtype)
+    buf13, buf2 = torch.empty_like(w13), torch.empty_like(w2)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rows = []
+    for batch in args.batches:
+        x = torch.randn(batch, args.hidden, generator=gen).to(device, dtype)
+        for unique in args.unique:
+            ids, weights = routing(batch, unique, args.top_k, args.experts, gen)
+            ids, weights = ids.to(device), weights.to(device)
+            times = []
+            with torch.inference_mode():
+                for i in range(args.warmup + args.repeats):
+                    sync()
+                    t0 = time.perf_counter()
+                    moe_layer(x, ids, weights, w13, w2, buf13, buf2)
+                    sync()
+                    if i >= args.warmup:
+                        times.append(time.perf_counter() - t0)
+            rows.append({"batch": batch, "unique": unique, "median_ms": 1e3 * statistics.median(times),
+                         "min_ms": 1e3 * min(times)})
+    return {
+        "measured": True,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "dtype": str(dtype).replace("torch.", ""),
+        "hidden": args.hidden, "ffn": args.ffn, "experts": args.experts, "top_k": args.top_k,
+        "bytes_per_expert": 3 * args.hidden * args.ffn * torch.tensor([], dtype=dtype).element_size(),
+        "torch": torch.__version__,
+        "rows": rows,
+    }
+
+
+def table(result: dict) -> str:
+    lines = [f"MoE layer on {result['device']} ({result['device_name']}, {result['dtype']}, "
+             f"hidden {result['hidden']}, ffn {result['ffn']}, {result['experts']} experts, top-{result['top_k']})",
+             f"{'batch':>6} {'unique':>7} {'median ms':>10} {'x vs min unique':>16}"]
+    for batch in sorted({r["batch"] for r in result["rows"]}):
+        rows = [r for r in result["rows"] if r["batch"] == batch]
+        base = rows[0]["median_ms"]
+        lines += [f"{batch:>6} {r['unique']:>7} {r['median_ms']:>10.3f} {r['median_ms'] / base:>16.2f}" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    for flag, value in (("--hidden", args.hidden), ("--ffn", args.ffn), ("--experts", args.experts),
+                        ("--top-k", args.top_k), ("--repeats", args.repeats)):
+        if value < 1:
+            ap.error(f"{flag} must be >= 1, got {value}")
+    if args.top_k > args.experts:
+        ap.error(f"--top-k {args.top_k} exceeds --experts {args.experts}")
+    bad = [u for u in args.unique if not args.top_k <= u <= args.experts]
+    if bad:
+        ap.error(f"--unique values {bad} must lie in [--top-k, --experts] = [{args.top_k}, {args.experts}]")
+    bad = [(b, u) for b in args.batches for u in args.unique if b * args.top_k < u]
+    if bad:
+        ap.error(f"--batches x --top-k cannot reach --unique for (batch, unique) {bad}")
+    try:
+        result = measure(args)
+    except (ValueError, RuntimeError) as exc:
+        ap.error(str(exc))
+    print(table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"written {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
