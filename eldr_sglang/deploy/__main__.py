@@ -1,0 +1,120 @@
+"""``python -m eldr_sglang.deploy``: launch commands for an ELDR PD cluster.
+
+    python -m eldr_sglang.deploy presets
+    python -m eldr_sglang.deploy check   (CLUSTER.yaml | --preset NAME) [--skip-files]
+    python -m eldr_sglang.deploy dry-run (CLUSTER.yaml | --preset NAME)
+    python -m eldr_sglang.deploy scripts (CLUSTER.yaml | --preset NAME) --out DIR
+
+``check`` validates the description and (unless ``--skip-files``) the calibration
+artifact and placement files it names; ``dry-run`` prints every command per node;
+``scripts`` writes one ``NODE.sh`` per node. A bad description prints
+``error: FIELD: ...`` and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import stat
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from .commands import Launch, build_launches
+from .files import check_files
+from .presets import load_description, preset_names
+from .spec import Cluster, DescriptionError, parse_cluster
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m eldr_sglang.deploy", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("presets", help="list the shipped cluster descriptions")
+    for name, text in (("check", "validate a description and its files"), ("dry-run", "print every command"),
+                       ("scripts", "write one shell script per node")):
+        p = sub.add_parser(name, help=text)
+        source = p.add_mutually_exclusive_group(required=True)
+        source.add_argument("description", nargs="?", help="cluster description YAML")
+        source.add_argument("--preset", choices=preset_names(), help="a shipped description")
+        if name == "check":
+            p.add_argument("--skip-files", action="store_true", help="do not open the artifact and placement files")
+        if name == "scripts":
+            p.add_argument("--out", required=True, help="directory for NODE.sh scripts")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "presets":
+        for name in preset_names():
+            print(name)
+        return 0
+    try:
+        cluster = parse_cluster(load_description(args.description, args.preset))
+        launches = build_launches(cluster)
+        notes = check_files(cluster) if args.command == "check" and not args.skip_files else []
+    except DescriptionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for warning in cluster.warnings + notes:
+        print(f"warning: {warning}", file=sys.stderr)
+    if args.command == "check":
+        print(summary(cluster, launches))
+    elif args.command == "dry-run":
+        print(render(cluster, launches))
+    else:
+        for path in write_scripts(cluster, launches, args.out):
+            print(path)
+    return 0
+
+
+def summary(cluster: Cluster, launches: list[Launch]) -> str:
+    n_prefill = sum(l.name.startswith("prefill-") for l in launches)
+    n_decode = sum(l.name.startswith("decode-") for l in launches)
+    gpus = sum(len(l.gpus) for l in launches)
+    total = sum(n.gpus for n in cluster.nodes)
+    return (f"ok {cluster.name}: {n_prefill} prefill + {n_decode} decode servers on {len(cluster.nodes)} nodes, "
+            f"{gpus} of {total} GPUs, router on {cluster.router.node}:{cluster.router.port}")
+
+
+def render(cluster: Cluster, launches: list[Launch]) -> str:
+    """Every command, grouped by node, servers before the router."""
+    lines = [f"# {summary(cluster, launches)}"]
+    for warning in cluster.warnings:
+        lines.append(f"# WARNING: {warning}")
+    for node in cluster.nodes:
+        mine = [l for l in launches if l.node == node.name]
+        if not mine:
+            continue
+        lines.append(f"\n# --- {node.name} ({node.host}, {node.gpus} GPUs) ---")
+        lines.extend(l.shell() for l in mine)
+    return "\n".join(lines)
+
+
+def write_scripts(cluster: Cluster, launches: list[Launch], out: str | os.PathLike) -> list[Path]:
+    """``NODE.sh`` per node: starts its servers in the background (logs in ``log_dir``), router last."""
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for node in cluster.nodes:
+        mine = [l for l in launches if l.node == node.name]
+        if not mine:
+            continue
+        body = ["#!/usr/bin/env bash", f"# {cluster.name}: {node.name} ({node.host})", "set -euo pipefail",
+                *(f"# WARNING: {w}" for w in cluster.warnings), f"mkdir -p {cluster.log_dir}"]
+        for launch in mine:
+            if launch.name == "router":
+                servers = " ".join(l.url for l in launches if l.name != "router")
+                body += ["# the router starts once every server of the cluster answers /health",
+                         f"for url in {servers}; do until curl -sf \"$url/health\" > /dev/null; do sleep 10; done; done"]
+            body.append(launch.shell(cluster.log_dir))
+        body.append("wait")
+        path = folder / f"{node.name}.sh"
+        path.write_text("\n".join(body) + "\n")
+        path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+        paths.append(path)
+    return paths
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Launch commands for every server and the router of a validated :class:`Cluster`.
+
+Late binding (the ELDR router picks decode after prefill) needs, on every server,
+``--disaggregation-decode-allocation-policy prefill_complete`` and the Mooncake
+backend (SGLang 0.5.23, ``arg_groups/pd_disaggregation_hook.py``). Decode order =
+calibration centroid order = placement file ``server-KK.json``.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+from .spec import Cluster, DescriptionError, Role
+
+VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "rocm": "HIP_VISIBLE_DEVICES"}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One process on one node."""
+
+    name: str  # prefill-0, decode-3, router
+    node: str
+    host: str
+    gpus: tuple[int, ...]
+    env: tuple[tuple[str, str], ...]
+    argv: tuple[str, ...]
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def shell(self, log_dir: str | None = None) -> str:
+        line = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in self.env), *map(shlex.quote, self.argv)])
+        if log_dir is None:
+            return line
+        return f"{line} > {shlex.quote(str(PurePosixPath(log_dir) / (self.name + '.log')))} 2>&1 &"
+
+
+def assign_gpus(cluster: Cluster, role: Role, used: dict[str, set[int]]) -> list[tuple[str, tuple[int, ...]]]:
+    """(node, GPUs) per server of ``role``; marks them in ``used``; errors name the field."""
+    k = role.kind
+    if role.servers:
+        if len(role.servers) != role.count:
+            raise DescriptionError(f"{k}.servers: {len(role.servers)} entries for count {role.count}")
+        out = []
+        for i, pin in enumerate(role.servers):
+            node = cluster.node(pin.node)
+            where = f"{k}.servers[{i}].gpus"
+            if len(pin.gpus) != role.tp_size:
+                raise DescriptionError(f"{where}: {len(pin.gpus)} GPUs for tp_size {role.tp_size}")
+            for g in pin.gpus:
+                if g >= node.gpus:
+                    raise DescriptionError(f"{where}: GPU {g} does not exist on {node.name} ({node.gpus} GPUs)")
+                if g in used[node.name]:
+                    raise DescriptionError(f"{where}: GPU {g} of {node.name} is used twice")
+                used[node.name].add(g)
+            out.append((node.name, pin.gpus))
+        return out
+    out = []
+    for name in role.nodes:
+        node = cluster.node(name)
+        while len(out) < role.count:
+            free = [g for g in range(node.gpus) if g not in used[name]]
+            if len(free) < role.tp_size:
+                break
+            take = tuple(free[: role.tp_size])
+            used[name].update(take)
+            out.append((name, take))
+    if len(out) < role.count:
+        raise DescriptionError(f"{k}.count: {role.count} servers of tp_size {role.tp_size} do not fit on "
+                               f"{k}.nodes {list(role.nodes)} (room for {len(out)} beside the other role)")
+    return out
+
+
+def build_launches(cluster: Cluster) -> list[Launch]:
+    """Prefill servers, decode servers (centroid order), then the router."""
+    used: dict[str, set[int]] = {n.name: set() for n in cluster.nodes}
+    ports: dict[str, dict[int, str]] = {n.host: {} for n in cluster.nodes}
+    launches: list[Launch] = []
+    per_node: dict[tuple[str, str], int] = {}
+    pd = ["--disaggregation-transfer-backend", cluster.transfer_backend,
+          "--disaggregation-decode-allocation-policy", "prefill_complete"]
+    if cluster.ib_device:
+        pd += ["--disaggregation-ib-device", cluster.ib_device]
+    router_url = f"http://{cluster.node(cluster.router.node).host}:{cluster.router.port}"
+    prefill_targets: list[tuple[str, int]] = []
+    for role in (cluster.prefill, cluster.decode):
+        for i, (node_name, gpus) in enumerate(assign_gpus(cluster, role, used)):
+            node = cluster.node(node_name)
+            slot = per_node.get((role.kind, node_name), 0)
+            per_node[(role.kind, node_name)] = slot + 1
+            port = role.port + slot
+            name = f"{role.kind}-{i}"
+            _claim(ports, node.host, port, f"{role.kind}.port", name)
+            argv = [cluster.python, "-m", "sglang.launch_server", "--model-path", cluster.model_path,
+                    "--host", "0.0.0.0", "--port", str(port), "--tp-size", str(role.tp_size),
+                    "--disaggregation-mode", role.kind, *pd]
+            if role.ep_size > 1:
+                argv += ["--ep-size", str(role.ep_size)]
+            if role.tp_size > 1:
+                argv += ["--attn-dp-size", str(role.tp_size)]  # attention TP 1 (late binding)
+            if role.kind == "prefill":
+                boot = role.bootstrap_port + slot
+                _claim(ports, node.host, boot, "prefill.bootstrap_port", name)
+                argv += ["--disaggregation-bootstrap-port", str(boot),
+                         "--eldr-calibration", cluster.calibration, "--eldr-publish", f"{router_url}/eldr/signature"]
+                prefill_targets.append((f"http://{node.host}:{port}", boot))
+            else:
+                if role.ep_size > 1:
+                    argv += ["--init-expert-location", str(PurePosixPath(role.placement_dir) / f"server-{i:02d}.json")]
+                    if role.num_redundant_experts:
+                        argv += ["--ep-num-redundant-experts", str(role.num_redundant_experts)]
+                if role.metrics_port is not None:
+                    metrics = role.metrics_port + slot
+                    _claim(ports, node.host, metrics, "decode.metrics_port", name)
+                    argv += ["--eldr-metrics-port", str(metrics)]
+            argv += role.extra_args
+            env = ((VISIBLE_DEVICES[cluster.vendor], ",".join(map(str, gpus))), *role.env)
+            launches.append(Launch(name, node_name, node.host, gpus, env, tuple(argv), port))
+    r = cluster.router
+    host = cluster.node(r.node).host
+    _claim(ports, host, r.port, "router.port", "router")
+    argv = [cluster.python, "-m", "eldr_sglang.router"]
+    for url, boot in prefill_targets:
+        argv += ["--prefill", url, str(boot)]
+    for launch in launches:
+        if launch.name.startswith("decode-"):
+            argv += ["--decode", launch.url]
+    argv += ["--policy", r.policy]
+    if r.policy == "eldr":
+        argv += ["--calibration", cluster.calibration, "--tau", f"{r.tau:g}"]
+    argv += ["--host", r.host, "--port", str(r.port), *r.extra_args]
+    launches.append(Launch("router", r.node, host, (), (), tuple(argv), r.port))
+    return launches
+
+
+def _claim(ports: dict[str, dict[int, str]], host: str, port: int, field: str, owner: str) -> None:
+    taken = ports[host]
+    if port in taken:
+        raise DescriptionError(f"{field}: port {port} on {host} ({owner}) collides with {taken[port]}")
+    taken[port] = f"{owner} ({field})"
