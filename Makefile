@@ -23,3 +23,8 @@ test-fast: install  ## everything that does not start SGLang servers
 
 clean:
 	rm -rf .cache/test-logs .cache/demo
+
+.PHONY: bench
+BENCH_ARGS ?=
+bench:              ## simulated paper-scale evaluation: benchmark/RESULTS.md + plots (BENCH_ARGS=--quick for the tiny one)
+	@$(PY) benchmark/report.py $(BENCH_ARGS)
