@@ -148,3 +148,17 @@ def test_optimize_cli_writes_files_sglang_parses_identically(calibrated):
     bad = run_cli("tools/place_experts.py", "optimize", "--artifact", str(work / "artifact.json"),
                   "--traces", str(work / "traces"), "--ep-size", "3", "--out", str(work / "bad"))
     assert bad.returncode == 2 and "not divisible by ep_size 3" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_bench_placement_small_synthetic_run(tmp_path):
+    """benchmark/bench_placement.py end to end on a small synthetic set (the docs show the full-size run)."""
+    out = tmp_path / "bench.json"
+    done = run_cli("benchmark/bench_placement.py", "--synthetic-requests", "450", "--synthetic-layers", "8",
+                   "--servers", "3", "--batches", "5", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "SIMULATED" in done.stdout and "SYNTHETIC" in done.stdout
+    report = json.loads(out.read_text())
+    assert report["simulated"] is True and set(report["rows"]) == {"default", "global", "per-server"}
+    rows = report["rows"]
+    assert rows["per-server"]["imbalance"] < rows["default"]["imbalance"]
+    assert report["gap_to_bound"]["max"] < 0.05
