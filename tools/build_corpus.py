@@ -370,12 +370,6 @@ def build(out: Path, seed: int, max_docs: int | None, only: list[str] | None, ma
     return info
 
 
-def load_corpus(path: str | Path) -> list[dict]:
-    """Rows of ``docs.jsonl`` from a corpus directory."""
-    with open(Path(path) / "docs.jsonl", encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path(".cache/corpus"))

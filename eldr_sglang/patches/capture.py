@@ -259,21 +259,35 @@ def disagg_prefill_after(result, scheduler, batch, *args, **kwargs):
                 published = counts.index_select(0, state.publish_columns)
                 state.publisher.submit(signature_message(req, published, state.publish_layers))
             if state.trace_writer is not None:
-                row = req.kv.req_pool_idx
-                state.trace_writer.write("prefill", {
-                    **signature_message(req, counts, state.table.layers), "gate_prob_sums": state.gate_prob[row].cpu().tolist(),
-                    "gate_logit_sums": state.gate_logit[row].cpu().tolist()})
-                state.gate_prob[row] = 0
-                state.gate_logit[row] = 0
+                _write_prefill_trace(state, req, scheduler, counts)
     except Exception as exc:
         state.fail_once("signature publishing", exc)
     return result
 
 
+def _colocated(state: CaptureState) -> bool:
+    """A server that prefills and decodes (no PD disaggregation)."""
+    mode = getattr(getattr(state.scheduler, "disaggregation_mode", None), "value", "null")
+    return state.scheduler is not None and mode == "null"
+
+
+def _write_prefill_trace(state: CaptureState, req, scheduler, counts: torch.Tensor | None = None) -> None:
+    """Trace mode: the prompt's expert counts (every layer) and gate sums; clears the row."""
+    if counts is None:
+        counts = prompt_counts(scheduler, req, state.table)
+    row = req.kv.req_pool_idx
+    state.trace_writer.write("prefill", {
+        **signature_message(req, counts, state.table.layers), "gate_prob_sums": state.gate_prob[row].cpu().tolist(),
+        "gate_logit_sums": state.gate_logit[row].cpu().tolist()})
+    state.gate_prob[row] = 0
+    state.gate_logit[row] = 0
+
+
 def release_before(req, *args, **kwargs):
     """BEFORE ``mem_cache.common.release_kv_cache`` (the request's KV rows are
     still valid): keep the signature a request asked for until its output is
-    streamed; in trace mode, write its decode expert counts and clear its row."""
+    streamed; in trace mode, write its decode expert counts (and, on a co-located
+    server, its prompt counts) and clear its row."""
     state = STATE
     if state is None or getattr(req, "kv", None) is None or req.kv.req_pool_idx is None:
         return None
@@ -283,6 +297,8 @@ def release_before(req, *args, **kwargs):
             if msg is not None:
                 state.pending[req.rid] = msg
         if state.decode_acc is not None and not str(req.rid).startswith(HEALTH_CHECK_PREFIX):
+            if _colocated(state) and state.table is not None:
+                _write_prefill_trace(state, req, state.scheduler)
             counts = state.decode_acc[req.kv.req_pool_idx]
             if int(counts.sum()) > 0:
                 state.trace_writer.write("decode", {
