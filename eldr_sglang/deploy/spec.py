@@ -143,12 +143,15 @@ def _check_parallelism(cluster: Cluster, role: Role) -> None:
             raise DescriptionError(
                 f"{k}.tp_size: {role.tp_size}: late binding (--disaggregation-decode-allocation-policy "
                 f"prefill_complete, which the ELDR router needs) requires attention TP 1. The layout for that is "
-                f"--attn-dp-size {role.tp_size} (attention DP = TP), but stock SGLang 0.5.23 refuses every "
+                f"--attn-dp-size {role.tp_size} (attention DP = TP); stock SGLang 0.5.23 refuses every "
                 f"tp_size > 1 there (its check reads the deprecated dp-attention fields after they were "
-                f"cleared). Use tp_size 1, or set attention_dp_late_binding: true for an SGLang that accepts it")
+                f"cleared), the eldr plugin's hook makes it accept attention TP 1. Use tp_size 1, or set "
+                f"attention_dp_late_binding: true")
         cluster.warnings.append(
             f"{k}: tp_size {role.tp_size} runs with --attn-dp-size {role.tp_size} (attention TP 1) for late binding; "
-            f"stock SGLang 0.5.23 refuses this at start-up (see docs/DEPLOY.md, 'TP > 1 and late binding')")
+            f"stock SGLang 0.5.23 refuses this at start-up, the eldr plugin's hook (eldr_sglang/patches/"
+            f"late_binding.py) makes it accept it: eldr-sglang must be installed beside SGLang on every node "
+            f"(see docs/DEPLOY.md, 'TP > 1 and late binding')")
     if k == "decode" and role.ep_size > 1 and not role.placement_dir:
         raise DescriptionError("decode.placement_dir: required when ep_size > 1 (one --init-expert-location file "
                                "per decode server, from python -m eldr_sglang.placement optimize)")

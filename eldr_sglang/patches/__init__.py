@@ -1,9 +1,14 @@
 """SGLang plugin entry point (group ``sglang.srt.plugins``, name ``eldr``).
 
 ``register()`` runs in every SGLang process (launcher, scheduler,
-detokenizer). It always adds the ``--eldr-*`` flags; the CPU fixes only when
-CUDA is absent; the capture hooks only in the scheduler of a server started
-with ELDR flags. Without ELDR flags the server behaves exactly as stock SGLang.
+detokenizer). It always adds the ``--eldr-*`` flags and the late-binding fix
+(``late_binding``), the CPU fixes only when CUDA is absent, and the capture
+hooks only in the scheduler of a server started with ELDR flags. The
+late-binding fix is unconditional because SGLang resolves and validates
+``ServerArgs`` in the launcher process (``ServerArgs.resolve_once`` at
+publish; children inherit the resolved record), and a plain decode server
+needs it as much as an ELDR one. It only lifts a false refusal; apart from it,
+a server without ELDR flags behaves exactly as stock SGLang.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import multiprocessing
 
 TARGETS = {
     "prepare_server_args": "sglang.srt.server_args.prepare_server_args",
+    "validate_prefill_complete": "sglang.srt.arg_groups.pd_disaggregation_hook._validate_prefill_complete",
     "forward": "sglang.srt.model_executor.model_runner.ModelRunner.forward",
     "select_experts": "sglang.srt.layers.moe.topk.select_experts",
     "disagg_prefill": "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin"
@@ -26,12 +32,15 @@ def register() -> None:
     """Called by SGLang's ``load_plugins()`` in every server process."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from eldr_sglang.patches import cpu_compat, flags
+    from eldr_sglang.patches import cpu_compat, flags, late_binding
 
     if not cpu_compat.cuda_available():
         cpu_compat.install_import_shims()
         cpu_compat.register_hooks()
     HookRegistry.register(TARGETS["prepare_server_args"], flags.prepare_server_args_around, HookType.AROUND)
+    HookRegistry.register(
+        TARGETS["validate_prefill_complete"], late_binding.validate_prefill_complete_around, HookType.AROUND
+    )
 
     config = flags.EngineConfig.from_env()
     if config.active and multiprocessing.current_process().name != "MainProcess":
