@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from eldr_sglang.corpus import load_corpus  # noqa: E402
+from eldr_sglang.corpus import cell, load_corpus  # noqa: E402
 
 TASK_SHARES = {"code": 0.29, "medical": 0.26, "math": 0.24, "legal": 0.205}
 LANGUAGE_SHARES = {"en": 0.45, "zh": 0.30, "ru": 0.13, "fr": 0.12}
@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, nargs=2, default=(48, 320), metavar=("MIN", "MAX"))
     p.add_argument("--output-median", type=int, default=96, help="median output length (log-normal)")
     p.add_argument("--output-max", type=int, default=384)
+    p.add_argument("--demo-requests", type=int, default=96,
+                   help="size of demo.jsonl: a mix of both workloads' evaluation sets (make demo)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.requests < 10:
@@ -105,11 +107,22 @@ def request(doc: dict, tokenizer, args, rng: np.random.Generator, rid: str, reus
         ids = ids[int(rng.integers(1, max(2, len(ids) - lo))):]
     n_prompt = int(min(len(ids), rng.integers(lo, hi + 1)))
     out_len = int(np.clip(rng.lognormal(np.log(args.output_median), 0.6), 4, args.output_max))
+    completion = tokenizer.decode(continuation(ids, n_prompt, out_len))
+    out_len = max(4, len(tokenizer(completion, add_special_tokens=False)["input_ids"]))  # as bench_serving counts
     return {
         "id": rid, "prompt": tokenizer.decode(ids[:n_prompt]), "prompt_tokens": n_prompt, "output_len": out_len,
-        "completion": tokenizer.decode(ids[n_prompt:n_prompt + out_len]),
+        "completion": completion,
         "labels": {"domain": doc["domain"], "language": doc["language"]}, "doc": doc["id"], "group": doc["group"],
     }
+
+
+def continuation(ids: list[int], start: int, n: int) -> list[int]:
+    """``n`` tokens following ``start`` (wrapping to the document's start when it is
+    shorter): bench_serving takes the output length from the assistant turn."""
+    out = list(ids[start:start + n])
+    while len(out) < n:
+        out += ids[: n - len(out)]
+    return out
 
 
 def with_system_prompts(reqs: list[dict], system_prompts: list[str], rng: np.random.Generator) -> list[dict]:
@@ -142,11 +155,14 @@ def main(argv: list[str] | None = None) -> int:
                       if r["source"] == "dataset-build" and r["language"] == "en"][:SHARED_PROMPTS]
     manifest: dict = {"command": "python tools/build_workloads.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                       "shares": {"task": TASK_SHARES, "language": LANGUAGE_SHARES}, "sets": {}}
+    eval_sets: dict[str, list[dict]] = {}
     for workload in ("task", "language"):
         for variant in ("", "-shared"):
             (args.out / (workload + variant)).mkdir(parents=True, exist_ok=True)
         for set_name, rows in splits.items():
             reqs = make_requests(rows, workload, args.requests, tokenizer, args, rng, set_name)
+            if set_name == "eval":
+                eval_sets[workload] = reqs
             write_set(reqs, args.out / workload / set_name)
             write_set(with_system_prompts(reqs, system_prompts, rng), args.out / f"{workload}-shared" / set_name)
             key = "domain" if workload == "task" else "language"
@@ -159,8 +175,17 @@ def main(argv: list[str] | None = None) -> int:
                 "prompt_tokens_mean": round(float(np.mean([r["prompt_tokens"] for r in reqs])), 1),
                 "output_len_mean": round(float(np.mean([r["output_len"] for r in reqs])), 1)}
             print(f"{workload}/{set_name}: {manifest['sets'][f'{workload}/{set_name}']}")
+    demo = demo_mix([eval_sets[w] for w in ("task", "language")], args.demo_requests, rng)
+    write_set(demo, args.out / "demo")
+    manifest["sets"]["demo"] = {"requests": len(demo), "cells": dict(Counter(cell(r["labels"]) for r in demo))}
     (args.out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return 0
+
+
+def demo_mix(sets: list[list[dict]], n: int, rng: np.random.Generator) -> list[dict]:
+    """``n`` requests alternating between the sets (random picks from each)."""
+    per = [list(rng.permutation(len(s))[: n // len(sets) + 1]) for s in sets]
+    return [sets[i % len(sets)][per[i % len(sets)][i // len(sets)]] for i in range(n)]
 
 
 def load_workload(path: str | Path) -> list[dict]:

@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -42,6 +43,24 @@ def model_spec(model_dir: Path) -> ModelSpec:
         raise SystemExit(f"collect_traces: --model: {exc}")
 
 
+def join_records(prefill: dict[str, dict], decode: dict[str, dict], labels: dict[str, dict],
+                 spec: ModelSpec) -> Iterator[TraceRecord]:
+    """One trace record per request id present on both the prefill and the decode side."""
+    for rid, pre in prefill.items():
+        dec = decode.get(rid)
+        if dec is None:
+            continue
+        if len(pre["layers"]) != spec.num_layers:
+            raise SystemExit(f"collect_traces: prefill record {rid} has layers {pre['layers']}; "
+                             "trace mode needs all layers (--eldr-trace-dir without --eldr-layers)")
+        lab = {k: str(v) for k, v in labels.get(rid, {}).items() if k != "rid"}
+        yield TraceRecord(
+            rid, np.array(pre["counts"]), np.array(dec["decode_counts"]), int(pre["prompt_tokens"]),
+            int(dec["output_tokens"]), lab,
+            np.array(pre["gate_prob_sums"], dtype=np.float32) if "gate_prob_sums" in pre else None,
+            np.array(pre["gate_logit_sums"], dtype=np.float32) if "gate_logit_sums" in pre else None)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--logs", nargs="+", type=Path, required=True, help="--eldr-trace-dir folders")
@@ -57,21 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     if not prefill or not decode:
         raise SystemExit(f"collect_traces: found {len(prefill)} prefill and {len(decode)} decode records in "
                          f"{', '.join(map(str, args.logs))}; run the servers with --eldr-trace-dir")
-    joined = 0
     with TraceWriter(args.out, spec, shard_size=args.shard_size) as writer:
-        for rid, pre in prefill.items():
-            dec = decode.get(rid)
-            if dec is None:
-                continue
-            if len(pre["layers"]) != spec.num_layers:
-                raise SystemExit(f"collect_traces: prefill record {rid} has layers {pre['layers']}; "
-                                 "trace mode needs all layers (--eldr-trace-dir without --eldr-layers)")
-            lab = {k: str(v) for k, v in labels.get(rid, {}).items() if k != "rid"}
-            writer.add(TraceRecord(
-                rid, np.array(pre["counts"]), np.array(dec["decode_counts"]), int(pre["prompt_tokens"]),
-                int(dec["output_tokens"]), lab,
-                np.array(pre["gate_prob_sums"], dtype=np.float32) if "gate_prob_sums" in pre else None,
-                np.array(pre["gate_logit_sums"], dtype=np.float32) if "gate_logit_sums" in pre else None))
+        joined = 0
+        for record in join_records(prefill, decode, labels, spec):
+            writer.add(record)
             joined += 1
     print(f"wrote {joined} trace records to {args.out} ({len(prefill) - joined} prefill-only, "
           f"{len(decode) - joined} decode-only records skipped)")
