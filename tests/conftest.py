@@ -222,11 +222,11 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Run the single-server tests first (their server stops before the shared
+    """Run the single-server tests first (their servers stop before the shared
     PD cluster starts, so at most three servers run at once) and the
     destructive ones (they kill servers of the shared cluster) last."""
     def rank(item) -> int:
-        if "single_server" in getattr(item, "fixturenames", ()):
+        if {"single_server", "trained_server"} & set(getattr(item, "fixturenames", ())):
             return 0
         return 2 if item.get_closest_marker("destructive") else 1
 

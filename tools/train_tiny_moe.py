@@ -7,7 +7,9 @@ small so it trains on two CPU cores. Only the corpus' ``train`` split is used
 cells and each sequence packs documents of one cell. The result is a Hugging Face
 checkpoint (bf16 safetensors + tokenizer) that SGLang and transformers load::
 
-    python tools/train_tiny_moe.py --corpus .cache/corpus --out models/eldr-tiny-moe --minutes 45
+    python tools/train_tiny_moe.py --corpus .cache/corpus --out models/eldr-tiny-moe --minutes 40
+    python tools/train_tiny_moe.py --corpus .cache/corpus --out models/eldr-tiny-moe \
+        --resume models/eldr-tiny-moe --minutes 15 --lr 2e-3      # continue (fresh optimizer)
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init-only", action="store_true", help="save the untrained model (same architecture)")
+    p.add_argument("--resume", type=Path, default=None,
+                   help="continue training this checkpoint (its tokenizer and weights; fresh optimizer)")
     args = p.parse_args(argv)
     for name in ("vocab", "layers", "hidden", "experts", "top_k", "expert_ffn", "seq_len", "batch"):
         if getattr(args, name) < 1:
@@ -124,21 +128,34 @@ def main(argv: list[str] | None = None) -> int:
     rows = load_corpus(args.corpus, split="train", seed=args.seed)
     texts = balanced_texts(rows, args.docs_per_cell, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(texts, args.vocab, args.out)
+    if args.resume:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.resume)
+        if args.resume.resolve() != args.out.resolve():
+            tokenizer.save_pretrained(args.out)
+    else:
+        tokenizer = train_tokenizer(texts, args.vocab, args.out)
     windows = packed_windows(texts, tokenizer, args.seq_len)
     print(f"tokenizer {len(tokenizer)} tokens; windows per cell: "
           + ", ".join(f"{c}={len(w)}" for c, w in windows.items()) + f" ({time.time() - t0:.0f}s)", flush=True)
 
-    model = Qwen3MoeForCausalLM(build_config(args, len(tokenizer)))
+    command = "python tools/train_tiny_moe.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.resume:
+        model = Qwen3MoeForCausalLM.from_pretrained(args.resume, dtype=torch.float32)
+        log = json.loads((args.resume / "training.json").read_text())
+        log["commands"] = log.get("commands", [log.pop("command", "")]) + [command]
+    else:
+        model = Qwen3MoeForCausalLM(build_config(args, len(tokenizer)))
+        log = {"commands": [command], "cells": {c: len(w) for c, w in windows.items()}, "loss": []}
     model.config.output_router_logits = True
     n_params = sum(p.numel() for p in model.parameters())
-    log: dict = {"command": "python tools/train_tiny_moe.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                 "parameters": n_params, "cells": {c: len(w) for c, w in windows.items()}, "loss": []}
+    log["parameters"] = n_params
     if not args.init_only:
         train(model, windows, args, log)
     model.config.output_router_logits = False
     model.to(torch.bfloat16).save_pretrained(args.out, safe_serialization=True)
-    log["wall_s"] = round(time.time() - t0, 1)
+    log["wall_s"] = round(log.get("wall_s", 0.0) + time.time() - t0, 1)
     (args.out / "training.json").write_text(json.dumps(log, indent=1))
     size = sum(f.stat().st_size for f in args.out.glob("*.safetensors")) / 2**20
     print(f"saved {args.out} ({n_params / 1e6:.1f} M parameters, {size:.1f} MiB) in {log['wall_s']:.0f}s")
@@ -151,13 +168,14 @@ def train(model, windows: dict[str, np.ndarray], args: argparse.Namespace, log: 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05)
     budget = args.minutes * 60
     warmup = 100
-    start, step, ema = time.time(), 0, None
+    start, ema = time.time(), None
+    step0 = step = log.get("steps", 0)
     model.train()
-    while step < args.max_steps:
+    while step - step0 < args.max_steps:
         elapsed = time.time() - start
         if elapsed > budget:
             break
-        frac = min(1.0, max(step / warmup, 0.0)) * 0.5 * (1 + math.cos(math.pi * min(1.0, elapsed / budget)))
+        frac = min(1.0, max((step - step0) / warmup, 0.0)) * 0.5 * (1 + math.cos(math.pi * min(1.0, elapsed / budget)))
         for g in opt.param_groups:
             g["lr"] = args.lr * max(frac, 0.02)
         picks = rng.choice(len(cells), size=args.batch)  # balanced over cells
@@ -172,10 +190,10 @@ def train(model, windows: dict[str, np.ndarray], args: argparse.Namespace, log: 
         lm = out.loss.item() - args.aux_coef * out.aux_loss.item()
         ema = lm if ema is None else 0.98 * ema + 0.02 * lm
         if step % 25 == 0:
-            log["loss"].append([step, round(elapsed, 1), round(ema, 4), round(float(out.aux_loss), 4)])
-            print(f"step {step} {elapsed / 60:5.1f} min  lm loss {ema:.3f}  aux {float(out.aux_loss):.3f}", flush=True)
+            log["loss"].append([step, round(elapsed, 1), round(ema, 4), round(out.aux_loss.item(), 4)])
+            print(f"step {step} {elapsed / 60:5.1f} min  lm loss {ema:.3f}  aux {out.aux_loss.item():.3f}", flush=True)
     log["steps"] = step
-    log["tokens"] = step * args.batch * args.seq_len
+    log["tokens"] = log.get("tokens", 0) + (step - step0) * args.batch * args.seq_len
     model.eval()
 
 

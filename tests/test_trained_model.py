@@ -1,0 +1,90 @@
+"""The committed trained tiny MoE: transformers and a real SGLang CPU server (with
+the plugin's trace mode on a plain, co-located server) give the same greedy
+tokens, and the server's trace logs hold every request's prefill and decode
+expert counts."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import LOG_DIR, ROOT, _progress, _started, greedy_generate
+from eldr_sglang import local_cluster as lc
+
+pytestmark = pytest.mark.sglang
+
+MODEL = ROOT / "models" / "eldr-tiny-moe"
+PROMPTS = [
+    "def binary_search(items, target):\n    lo, hi = 0, len(items) - 1\n",
+    "Patients with type 2 diabetes were randomly assigned to",
+    "第一条 为了保护民事主体的合法权益，",
+    "Решите уравнение: 3x + 7 = 22.",
+    "La présente licence s'applique à",
+]
+NEW_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def trained_server(tmp_path_factory):
+    trace_dir = tmp_path_factory.mktemp("trained-trace")
+    spec = lc.ServerSpec(str(MODEL), extra_args=["--eldr-trace-dir", str(trace_dir), "--eldr-layers", "all"])
+    proc = lc.start_server(spec, LOG_DIR, "trained")
+    _started.append(proc)
+    try:
+        proc.wait_ready(progress=_progress)
+        yield proc, trace_dir
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def hf_trained():
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(MODEL), AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.bfloat16)
+
+
+def test_checkpoint_shape_and_size():
+    cfg = json.loads((MODEL / "config.json").read_text())
+    assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["norm_topk_prob"]) == (128, 8, True)
+    size = sum(f.stat().st_size for f in MODEL.glob("*.safetensors"))
+    assert size <= 50 * 2**20
+    log = json.loads((MODEL / "training.json").read_text())
+    assert log["steps"] > 0 and log["loss"][-1][2] < log["loss"][0][2]  # it learned
+
+
+def test_sglang_matches_transformers_greedy(trained_server, hf_trained):
+    import torch
+
+    server, _ = trained_server
+    tok, model = hf_trained
+    for prompt in PROMPTS:
+        ids = tok(prompt).input_ids
+        gen = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                             do_sample=False)
+        assert greedy_generate(server.url, prompt, NEW_TOKENS) == gen[0, len(ids):].tolist(), prompt
+
+
+def test_colocated_trace_mode_logs_prefill_and_decode(trained_server):
+    server, trace_dir = trained_server
+    rids = [f"trace-{i}" for i in range(len(PROMPTS))]
+    lc.http_json(server.url + "/generate", {"text": PROMPTS, "rid": rids, "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}})
+    time.sleep(1.5)  # trace lines are written by a background thread
+
+    def records(kind: str) -> dict:
+        return {r["rid"]: r for f in Path(trace_dir).glob(f"{kind}-*.jsonl") for r in map(json.loads, f.open())}
+
+    prefill, decode = records("prefill"), records("decode")
+    for rid in rids:
+        counts = np.array(prefill[rid]["counts"])
+        assert counts.shape == (4, 128)
+        assert (counts.sum(axis=1) == 8 * prefill[rid]["prompt_tokens"]).all()
+        dec = np.array(decode[rid]["decode_counts"])
+        assert decode[rid]["output_tokens"] == 6
+        assert (dec.sum(axis=1) == 8 * 5).all() or (dec.sum(axis=1) == 8 * 6).all()
