@@ -28,6 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))
 
+import measured  # noqa: E402
 import sweeps  # noqa: E402
 from eldr_sglang.sim.cost_model import (PAPER_EXPERT_RATIO, PARAM_SETS, get_params,  # noqa: E402
                                         moe_layer_time)
@@ -63,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--microbench-json", type=Path, nargs="*", default=[],
                     help="extra microbench JSON files to include (e.g. from a GPU run)")
     ap.add_argument("--skip-microbench", action="store_true", help="do not run the CPU microbenchmark")
+    ap.add_argument("--from-runs", type=Path, default=None,
+                    help="re-render from a saved results/runs.json (no simulation; same --quick as that run)")
     return ap
 
 
@@ -85,6 +88,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             ap.error(f"--microbench-json {path}: no such file")
     if args.traces_root.exists() and not args.traces_root.is_dir():
         ap.error(f"--traces-root {args.traces_root} is not a directory")
+    if args.from_runs is not None and not args.from_runs.is_file():
+        ap.error(f"--from-runs {args.from_runs}: no such file")
     return args
 
 
@@ -457,20 +462,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     work_ctx = tempfile.TemporaryDirectory(prefix="eldr-report-") if args.work_dir is None else None
     work_dir = Path(work_ctx.name) if work_ctx else args.work_dir
     work_dir.mkdir(parents=True, exist_ok=True)
+    command = (".venv/bin/python benchmark/report.py "
+               + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))).strip()
     try:
-        microbenches = [] if args.skip_microbench else [run_microbench(args.quick, res_dir / "microbench_cpu.json")]
+        if args.from_runs is not None:
+            saved = json.loads(args.from_runs.read_text())
+            runs, info, command = saved["runs"], saved["info"], saved.get("command", command)
+            mb_file = res_dir / "microbench_cpu.json"
+            microbenches = [json.loads(mb_file.read_text())] if mb_file.is_file() and not args.skip_microbench else []
+        else:
+            microbenches = [] if args.skip_microbench else [run_microbench(args.quick, res_dir / "microbench_cpu.json")]
+            runs, info = run_sweeps(args, sweep, work_dir)
         microbenches += [json.loads(p.read_text()) for p in args.microbench_json]
-        runs, info = run_sweeps(args, sweep, work_dir)
     except ValueError as exc:
         build_parser().error(str(exc))
     finally:
         if work_ctx:
             work_ctx.cleanup()
     used = sweep if args.seeds == 1 else replace(sweep, seeds=tuple(range(args.seeds)))
-    (res_dir / "runs.json").write_text(json.dumps({"simulated": True, "info": info, "runs": runs}, indent=1) + "\n")
+    if args.from_runs is None:
+        (res_dir / "runs.json").write_text(json.dumps({"simulated": True, "command": command, "info": info,
+                                                      "runs": runs}, indent=1) + "\n")
     files = plots(runs, used, args.workload_list, res_dir)
-    command = ".venv/bin/python benchmark/report.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    text = render(args, used, runs, info, microbenches, files, command.strip())
+    text = render(args, used, runs, info, microbenches, files, command)
+    text += measured.render(args.traces_root, args.workload_list, args.out_dir / "results")
     (args.out_dir / "RESULTS.md").write_text(text)
     print(f"wrote {args.out_dir / 'RESULTS.md'} and {', '.join(files)} in {res_dir}")
     return 0
