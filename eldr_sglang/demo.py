@@ -35,6 +35,7 @@ from eldr_sglang import local_cluster as lc
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "models" / "eldr-tiny-moe"
+MIN_PLOT_STEPS = 5  # batch sizes seen in fewer decode steps are left off the plot
 DEFAULT_WORKLOAD = ROOT / "benchmark" / "workloads" / "demo.jsonl"
 CALIBRATION_TRACES = [ROOT / "benchmark" / "traces" / "task" / "calib", ROOT / "benchmark" / "traces" / "language" / "calib"]
 
@@ -233,24 +234,34 @@ def print_report(reports: list[PhaseReport], decode_urls: list[str]) -> str:
 
 
 def save_plot(reports: list[PhaseReport], decode_urls: list[str], out: Path) -> Path:
+    """Label mix per decode server for each policy, and distinct experts per decode
+    step against batch size (the policies produce different batch sizes)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     labels = sorted({label for rep in reports for mix in rep.label_mix.values() for label in mix})
-    fig, axes = plt.subplots(1, len(reports) + 1, figsize=(5 * (len(reports) + 1), 4))
+    colors = plt.get_cmap("tab20").colors
+    fig, axes = plt.subplots(1, len(reports) + 1, figsize=(5 * (len(reports) + 1), 4.2))
     for ax, rep in zip(axes, reports):
         bottom = np.zeros(len(decode_urls))
-        for label in labels:
+        for j, label in enumerate(labels):
             vals = np.array([rep.label_mix[u][label] for u in decode_urls], dtype=float)
-            ax.bar([f"decode-{i}" for i in range(len(decode_urls))], vals, bottom=bottom, label=label)
+            ax.bar([f"decode-{i}" for i in range(len(decode_urls))], vals, bottom=bottom, label=label,
+                   color=colors[j % len(colors)])
             bottom += vals
-        ax.set_title(f"{rep.policy}: requests per decode server")
-    axes[0].legend(fontsize=7)
+        ax.set_title(f"{rep.policy}: requests per decode server (label mix)")
+    axes[0].legend(fontsize=7, ncol=2)
     ax = axes[-1]
-    ax.bar([r.policy for r in reports], [r.unique_overall() for r in reports], color=["tab:gray", "tab:green"])
-    ax.set_title("mean distinct experts per decode step\n(measured inside the decode servers)")
+    for rep, style in zip(reports, ("o--", "s-")):
+        sizes = sorted(b for b, v in rep.by_batch.items() if len(v) >= MIN_PLOT_STEPS)
+        ax.plot(sizes, [np.mean(rep.by_batch[b]) for b in sizes], style, label=rep.policy)
+    change, matched = matched_change(reports[0], reports[-1])
+    ax.set_xlabel("decode batch size")
+    ax.set_ylabel("distinct experts per step (all MoE layers)")
+    ax.set_title(f"measured inside the decode servers\n{reports[-1].policy}: {change:+.1f}% at equal batch size")
+    ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
