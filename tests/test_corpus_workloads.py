@@ -141,11 +141,11 @@ TRACE_SETS = ["task/calib", "task/eval", "language/calib", "language/eval"]
 
 @pytest.mark.parametrize("name", TRACE_SETS)
 def test_committed_traces_load_with_consistent_shapes(name):
-    from eldr_sglang.core import load_traces
+    from eldr_sglang.core import ModelSpec, load_traces
 
-    cfg = json.loads((MODEL / "config.json").read_text())
+    spec = ModelSpec.from_hf_config(json.loads((MODEL / "config.json").read_text()), MODEL.name)
     traces = load_traces(ROOT / "benchmark" / "traces" / name)
-    n, L, E, k = len(traces), cfg["num_hidden_layers"], cfg["num_experts"], cfg["num_experts_per_tok"]
+    n, L, E, k = len(traces), spec.num_layers, spec.num_experts, spec.top_k
     assert n >= 500
     assert traces.prefill_counts.shape == traces.decode_counts.shape == (n, L, E)
     assert (traces.prefill_counts.sum(axis=2) == k * traces.prompt_tokens[:, None]).all()

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import LOG_DIR, ROOT, _progress, _started, greedy_generate
 from eldr_sglang import local_cluster as lc
+from eldr_sglang.core import ModelSpec
 
 pytestmark = pytest.mark.sglang
 
@@ -51,7 +52,8 @@ def hf_trained():
 
 def test_checkpoint_shape_and_size():
     cfg = json.loads((MODEL / "config.json").read_text())
-    assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["norm_topk_prob"]) == (128, 8, True)
+    spec = ModelSpec.from_hf_config(cfg, MODEL.name)
+    assert (spec.num_experts, spec.top_k, cfg["norm_topk_prob"]) == (128, 8, True)
     size = sum(f.stat().st_size for f in MODEL.glob("*.safetensors"))
     assert size <= 50 * 2**20
     log = json.loads((MODEL / "training.json").read_text())
