@@ -308,11 +308,15 @@ def render(args, sweep, runs, info, microbenches, plot_files, command) -> str:
     w("# ELDR at paper scale: SIMULATED results\n")
     w("**Every TPOT, TTFT, distinct-expert and load figure below is SIMULATED** (discrete-event simulator "
       "`eldr_sglang/sim/simulator.py` + analytic step-time cost model `eldr_sglang/sim/cost_model.py`), "
-      "not measured on a cluster. The only measurement is the MoE-layer microbenchmark, on the hardware named "
-      "in its table. The routing decisions are made by the unchanged policy objects of "
+      "not measured on a cluster. The measurements are the MoE-layer microbenchmark, on the hardware named "
+      "in its table, and the sections marked MEASURED at the end (real traces, the trained model, real SGLang CPU "
+      "servers). The routing decisions are made by the unchanged policy objects of "
       "`eldr_sglang.core.policies`. This file is generated; do not edit it by hand.\n")
     w("## Regenerate\n")
     w("```bash\n" + command + "\n```\n")
+    w("(`--from-runs benchmark/results/runs.json` re-renders this file from the saved runs without simulating; "
+      "the MEASURED sections are recomputed from `benchmark/traces/`, `models/eldr-tiny-moe/specialisation.json` "
+      "and `benchmark/results/real_cpu.json`.)\n")
     w(f"Configuration: **{sweep.name}**" + (" (tiny CI configuration: NOT paper scale)" if args.quick else "") + ".\n")
     for mb in microbenches:
         if mb.get("command"):

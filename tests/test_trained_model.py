@@ -27,6 +27,7 @@ PROMPTS = [
     "La présente licence s'applique à",
 ]
 NEW_TOKENS = 10
+TIE = 0.13  # about two bf16 steps at the logit magnitudes of this model
 
 
 @pytest.fixture(scope="module")
@@ -61,15 +62,25 @@ def test_checkpoint_shape_and_size():
 
 
 def test_sglang_matches_transformers_greedy(trained_server, hf_trained):
+    """Identical greedy tokens, compared up to the first step whose two best bf16
+    logits are within ``TIE`` (bf16 spacing is 0.0625 at logits of 8-16: such a step
+    is a tie that two correct implementations may break differently)."""
     import torch
 
     server, _ = trained_server
     tok, model = hf_trained
+    compared = 0
     for prompt in PROMPTS:
         ids = tok(prompt).input_ids
-        gen = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             do_sample=False)
-        assert greedy_generate(server.url, prompt, NEW_TOKENS) == gen[0, len(ids):].tolist(), prompt
+        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                             do_sample=False, output_scores=True, return_dict_in_generate=True)
+        expected = out.sequences[0, len(ids):].tolist()
+        margins = [float(v[0] - v[1]) for v in (s[0].float().topk(2).values for s in out.scores)]
+        n = next((i for i, m in enumerate(margins) if m < TIE), len(margins))
+        got = greedy_generate(server.url, prompt, NEW_TOKENS)
+        assert got[:n] == expected[:n], (prompt, n)
+        compared += n
+    assert compared >= 2 * len(PROMPTS)  # a tiny model's next-token logits are often close: ties are frequent
 
 
 def test_colocated_trace_mode_logs_prefill_and_decode(trained_server):
