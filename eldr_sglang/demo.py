@@ -82,10 +82,12 @@ class PhaseReport:
         }
 
 
-def workload(path: Path, repeat: int) -> list[tuple[str, str, str]]:
-    """(rid, "domain/language" label, prompt) from a workload file, ``repeat`` times."""
+def workload(path: Path, repeat: int, limit: int = 0) -> list[tuple[str, str, str]]:
+    """(rid, "domain/language" label, prompt) of the first ``limit`` requests (0 = all)
+    of a workload file, ``repeat`` times."""
     with open(path, encoding="utf-8") as f:
         reqs = [json.loads(line) for line in f]
+    reqs = reqs[:limit] if limit else reqs
     return [(f"{r['id']}-{k}", f"{r['labels']['domain']}/{r['labels']['language']}", r["prompt"])
             for k in range(repeat) for r in reqs]
 
@@ -273,6 +275,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     p.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD, help="requests (our workload format)")
     p.add_argument("--decodes", type=int, default=3, help="decode servers (each ~2.5 GB RAM)")
+    p.add_argument("--requests", type=int, default=48, help="first N requests of the workload (0 = all)")
     p.add_argument("--repeat", type=int, default=1, help="times the workload is replayed per policy")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--concurrency", type=int, default=12)
@@ -284,7 +287,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--workload: {args.workload} not found")
     if args.decodes < 2:
         p.error("--decodes must be at least 2")
-    if args.repeat < 1 or args.max_new_tokens < 2 or args.concurrency < 1:
+    if args.requests < 0 or args.repeat < 1 or args.max_new_tokens < 2 or args.concurrency < 1:
         p.error("--repeat and --concurrency must be >= 1, --max-new-tokens >= 2")
     return args
 
@@ -304,7 +307,7 @@ def main(argv=None) -> int:
             print(f"  ... {name} starting ({elapsed:.0f}s)", flush=True)
 
     artifact = calibration_artifact(args.model, args.decodes, out)
-    rows = workload(args.workload, args.repeat)
+    rows = workload(args.workload, args.repeat, args.requests)
     print(f"Calibration artifact: {artifact}", flush=True)
     print(f"Starting 1 prefill + {args.decodes} decode SGLang CPU servers (one at a time, ~30-90 s each); "
           f"logs in {logs}", flush=True)
