@@ -56,6 +56,11 @@ from eldr_sglang.router.metrics import BREAKER_STATES, RouterMetrics
 from eldr_sglang.router.signatures import (SignatureBoard, SignatureEncoder, SignatureError,
                                            combine, load_calibration, parse_message)
 
+# SGLang's HTTP server (uvicorn) closes idle keep-alive connections after 5 s
+# (SGLANG_TIMEOUT_KEEP_ALIVE); the router must drop them first, else reusing one
+# races with its close and a request fails ("Server disconnected", "Can not write
+# request body").
+WORKER_KEEPALIVE_S = 3.0
 logger = logging.getLogger("eldr_sglang.router")
 decision_logger = logging.getLogger("eldr_sglang.router.decisions")
 WORK_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
@@ -1058,7 +1063,8 @@ class Router:
     # ---------------------------------------------------------------- app
     async def _startup(self, app: web.Application) -> None:
         self.session = aiohttp.ClientSession(
-            timeout=self.timeout, connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+            timeout=self.timeout, connector=aiohttp.TCPConnector(
+                limit=0, ttl_dns_cache=300, keepalive_timeout=WORKER_KEEPALIVE_S),
             json_serialize=lambda o: orjson.dumps(o).decode())
         self._idle = asyncio.Event()  # bound to the serving loop
         if self.active == 0:
