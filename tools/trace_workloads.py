@@ -87,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"starting SGLang ({args.model}) in trace mode; log {logs}", flush=True)
     server = start_server(server_spec, logs, "trace-server")
     timings = {}
+    sets = {name: load_set(args.workloads / f"{name}.jsonl", args.limit) for name in args.sets}
     try:
         server.wait_ready(timeout=600)
-        for name in args.sets:
-            reqs = load_set(args.workloads / f"{name}.jsonl", args.limit)
+        for name, reqs in sets.items():
             t1 = time.time()
             print(f"{name}: {len(reqs)} requests", flush=True)
             replay(server.url, reqs, args.max_new_tokens, args.batch, args.concurrency)
@@ -100,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
     prefill = read_jsonl(sorted(raw.glob("prefill-*.jsonl")))
     decode = read_jsonl(sorted(raw.glob("decode-*.jsonl")))
-    for name in args.sets:
-        reqs = load_set(args.workloads / f"{name}.jsonl", args.limit)
+    for name, reqs in sets.items():
         labels = {r["id"]: r["labels"] for r in reqs}
         pre = {rid: prefill[rid] for rid in labels if rid in prefill}
         out = args.out / name
