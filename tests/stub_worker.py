@@ -13,7 +13,8 @@ As a script::
 Failure knobs (constructor args and CLI flags, in the spirit of vLLM's mock worker):
 ``latency`` (s before answering), ``fail_first`` (the first N requests answer HTTP
 ``fail_status``), ``fail_rate`` (share of requests answered ``fail_status``),
-``crash_on`` (the Nth request crashes the worker: ``crash_mode`` "drop" closes
+``fail_body`` (what a failure answers: "error" ``{"error": {...}}``, "detail"
+SGLang's abort answer ``{"detail": ...}``, "text" plain text), ``crash_on`` (the Nth request crashes the worker: ``crash_mode`` "drop" closes
 that connection without an answer, "stop" stops the whole server, "exit" ends the
 process -- the CLI default), ``hang`` (never answer until aborted),
 ``send_signature=False`` / ``--no-signature`` (prefill never posts a signature),
@@ -104,6 +105,7 @@ class StubWorker:
         fail_rate: float = 0.0,
         fail_status: int = 500,
         fail_first: int = 0,
+        fail_body: str = "error",
         crash_on: Optional[int] = None,
         crash_mode: str = "drop",
         health_status: int = 200,
@@ -124,6 +126,8 @@ class StubWorker:
         self.latency, self.fail_rate, self.fail_status, self.hang = latency, fail_rate, fail_status, hang
         assert crash_mode in ("drop", "stop", "exit")
         self.fail_first, self.crash_on, self.crash_mode = fail_first, crash_on, crash_mode
+        assert fail_body in ("error", "detail", "text")
+        self.fail_body = fail_body
         self.health_status = health_status
         self.served = 0  # generate requests received
         self.health_checks = 0
@@ -250,8 +254,11 @@ class StubWorker:
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
         if self.served <= self.fail_first or (self.fail_rate and self.rng.random() < self.fail_rate):
-            return web.json_response({"error": {"message": f"stub {self.name} failure"}},
-                                     status=self.fail_status)
+            message = f"stub {self.name} failure"
+            if self.fail_body == "text":
+                return web.Response(text=message, status=self.fail_status)
+            body = {"detail": message} if self.fail_body == "detail" else {"error": {"message": message}}
+            return web.json_response(body, status=self.fail_status)
         ev = asyncio.Event()
         for r in rids:
             self._abort_events[r] = ev
@@ -302,6 +309,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--fail-rate", type=float, default=0.0)
     p.add_argument("--fail-status", type=int, default=500)
     p.add_argument("--fail-first", type=int, default=0, help="first N requests fail")
+    p.add_argument("--fail-body", choices=("error", "detail", "text"), default="error")
     p.add_argument("--crash-on", type=int, help="the Nth request crashes the worker")
     p.add_argument("--crash-mode", choices=("exit", "drop", "stop"), default="exit")
     p.add_argument("--health-status", type=int, default=200)
@@ -315,7 +323,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--stream-delay", type=float, default=0.0)
     a = p.parse_args(argv)
     w = StubWorker(a.role, name=a.name, latency=a.latency, fail_rate=a.fail_rate,
-                   fail_status=a.fail_status, fail_first=a.fail_first, crash_on=a.crash_on,
+                   fail_status=a.fail_status, fail_first=a.fail_first,
+                   fail_body=a.fail_body, crash_on=a.crash_on,
                    crash_mode=a.crash_mode, health_status=a.health_status, hang=a.hang, send_signature=not a.no_signature,
                    signature_url=a.signature_url, signature_delay=a.signature_delay,
                    layers=[int(x) for x in a.layers.split(",")], num_experts=a.num_experts,

@@ -389,3 +389,27 @@ def test_kill_decode_mid_load_every_request_ends_and_routing_recovers():
             assert router.active == 0 and not router.board.waiters
             assert all(d.inflight == 0 for d in router.decodes)
     run(main())
+
+
+@pytest.mark.parametrize("body_kind", ["detail", "text", "error"])
+def test_worker_error_bodies_always_carry_an_error_key(body_kind):
+    """SGLang answers an aborted request with ``{"detail": ...}`` (e.g. a KV transfer
+    to a decode server that died): the router keeps status and fields, adds ``error``."""
+    async def main():
+        async with cluster(n_decode=2, policy="round_robin",
+                           prefill_kw={"fail_first": 1, "fail_status": 500, "fail_body": body_kind},
+                           decode_kw={"latency": 0.5}) as (router, url, prefill, decodes, http):
+            st, raw = await post(http, f"{url}/generate", {"text": "topic:0"})
+            body = orjson.loads(raw)
+            assert st == 500 and "error" in body, body
+            assert "stub p0 failure" in json.dumps(body)
+            if body_kind == "detail":
+                assert body["detail"] == "stub p0 failure"
+            decodes[0].fail_first, decodes[0].fail_status, decodes[0].fail_body = 1, 503, body_kind
+            decodes[1].fail_first, decodes[1].fail_status, decodes[1].fail_body = 1, 503, body_kind
+            decodes[0].served = decodes[1].served = 0
+            decodes[0].latency = decodes[1].latency = 0.0
+            st, raw = await post(http, f"{url}/generate", {"text": "topic:1"})
+            body = orjson.loads(raw)
+            assert st == 503 and "error" in body and "stub d" in json.dumps(body), body
+    run(main())

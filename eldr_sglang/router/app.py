@@ -78,6 +78,25 @@ def error_response(status: int, message: str) -> web.Response:
     return json_response({"error": message}, status)
 
 
+def worker_error_response(status: int, body: bytes, url: str) -> web.Response:
+    """A worker's error answer with its status code, always carrying an ``error`` key.
+
+    SGLang answers an aborted request with FastAPI's ``{"detail": ...}`` and its
+    OpenAI routes with ``{"object": "error", "message": ...}``; clients of the router
+    get those fields unchanged plus ``error`` naming the worker."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        obj = None
+    if isinstance(obj, dict) and "error" in obj:
+        return json_response(obj, status)
+    if isinstance(obj, dict):
+        message = obj.get("message") or obj.get("detail") or f"HTTP {status}"
+        return json_response({**obj, "error": f"worker {url}: {message}"}, status)
+    text = body.decode("utf-8", "replace")[:2000].strip() or f"HTTP {status}"
+    return error_response(status, f"worker {url}: {text}")
+
+
 def _host_of(url: str) -> str:
     host = urllib.parse.urlparse(url).hostname or ""
     try:
@@ -132,6 +151,7 @@ class PrefillResult:
     status: int  # HTTP status; 0 when the call itself failed
     body: bytes
     error: str = ""
+    url: str = ""  # the prefill server that answered
 
     @property
     def ok(self) -> bool:
@@ -485,7 +505,7 @@ class Router:
                         self._failed(s, f"HTTP {resp.status}: {body[:200]!r}", down=False)
                     else:
                         self.metrics.worker_errors.labels(s.role, s.url, "http_4xx").inc()
-                    return PrefillResult(resp.status, body)
+                    return PrefillResult(resp.status, body, url=s.url)
             except aiohttp.ClientConnectorError as e:
                 self._failed(s, repr(e), down=True, kind="connect")
                 tried.add(id(s))
@@ -525,10 +545,7 @@ class Router:
         self._count("prefill_errors_returned")
         if res.status == 0:
             return error_response(503, res.error)
-        try:
-            return json_response(orjson.loads(res.body), res.status)
-        except orjson.JSONDecodeError:
-            return error_response(res.status, res.body.decode("utf-8", "replace")[:2000])
+        return worker_error_response(res.status, res.body, res.url)
 
     async def _open_decode(self, d: Server, endpoint: str, payload: bytes,
                            prefill_task: asyncio.Task):
@@ -688,10 +705,7 @@ class Router:
                 self.metrics.worker_errors.labels(d.role, d.url, "http_4xx").inc()
                 self._count("decode_client_errors")
             self._spawn(self._abort(rids, [p]))
-            ctype = resp.headers.get("Content-Type", JSON)
-            if ctype.startswith(JSON):
-                return web.Response(body=data, status=resp.status, content_type=JSON)
-            return error_response(resp.status, data.decode("utf-8", "replace")[:2000])
+            return worker_error_response(resp.status, data, d.url)
         if not stream:
             try:
                 data = await resp.read()
