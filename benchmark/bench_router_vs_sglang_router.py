@@ -13,7 +13,9 @@
 
 Routers compared (each its own process, stubs in another, client here):
 ``eldr`` (ELDR router, eldr policy, signature hop: prefill stub posts a 24 x 256
-count message per request), ``eldr-rr`` (ELDR router, round_robin: no signature
+count message per request, counts packed as the engine plugin sends them),
+``eldr-list`` (the same with counts as JSON rows), ``eldr-tcp`` (packed counts as
+JSON lines on the router's ``--signature-port``: the engine's ``--eldr-publish tcp://``), ``eldr-rr`` (ELDR router, round_robin: no signature
 wait), ``sglang-router`` (``python -m sglang_router.launch_router
 --pd-disaggregation ... --policy round_robin``: posts prefill and decode at once).
 All processes share the machine's cores: on a 2-core machine the stubs and the
@@ -64,6 +66,15 @@ def make_artifact(k: int, seed: int = 0):
                                centroids=cents)
 
 
+def run_loop(coro):
+    """uvloop for the stubs and the client (the same for every router measured)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def timeit(f, n: int) -> tuple[float, float]:
     for _ in range(min(n, 2000)):
         f()
@@ -77,6 +88,7 @@ def timeit(f, n: int) -> tuple[float, float]:
 
 
 def bench_decision(iters: int) -> dict:
+    from eldr_sglang.core.counts_codec import pack_counts
     from eldr_sglang.core.policies import RouteRequest, make_policy
     from eldr_sglang.router.signatures import SignatureEncoder, parse_message
 
@@ -99,6 +111,9 @@ def bench_decision(iters: int) -> dict:
     body = orjson.dumps({"bootstrap_room": 1, "layers": msg["layers"], "counts": counts.tolist()})
     out["parse_us"] = timeit(lambda: parse_message(orjson.loads(body)), iters // 4)
     out["message_kb"] = len(body) / 1024
+    packed = orjson.dumps({"bootstrap_room": 1, "layers": msg["layers"], "counts": pack_counts(counts)})
+    out["parse_packed_us"] = timeit(lambda: parse_message(orjson.loads(packed)), iters // 4)
+    out["packed_kb"] = len(packed) / 1024
     return out
 
 
@@ -114,9 +129,11 @@ def serve_stubs(args) -> None:
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
 
     async def run() -> None:
-        fixed = np.random.default_rng(2).poisson(3.0, (N_LAYERS, N_EXPERTS)).tolist()
+        fixed = np.random.default_rng(2).poisson(3.0, (N_LAYERS, N_EXPERTS))
+        if args.list_counts:
+            fixed = fixed.tolist()
         prefill = StubWorker("prefill", layers=list(range(N_LAYERS)), num_experts=N_EXPERTS,
-                             signature_url=args.signature_url,
+                             signature_url=args.signature_url, packed_counts=not args.list_counts,
                              send_signature=bool(args.signature_url), stream_chunks=1)
         prefill.counts_fn = lambda text: fixed
         decodes = [StubWorker("decode", name=f"d{i}", stream_chunks=1) for i in range(args.decodes)]
@@ -126,7 +143,7 @@ def serve_stubs(args) -> None:
         print(orjson.dumps(urls).decode(), flush=True)
         await asyncio.Event().wait()
 
-    asyncio.run(run())
+    run_loop(run())
 
 
 class _Discard(list):
@@ -134,10 +151,13 @@ class _Discard(list):
         pass
 
 
-def start_stubs(decodes: int, signature_url: str = "") -> tuple[subprocess.Popen, dict]:
+def start_stubs(decodes: int, signature_url: str = "",
+                list_counts: bool = False) -> tuple[subprocess.Popen, dict]:
     cmd = [sys.executable, __file__, "--serve-stubs", "--decodes", str(decodes)]
     if signature_url:
         cmd += ["--signature-url", signature_url]
+    if list_counts:
+        cmd += ["--list-counts"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     return proc, orjson.loads(proc.stdout.readline())
 
@@ -263,16 +283,20 @@ def _hist_quantiles(text: str, name: str) -> dict:
 async def run_router(name: str, args, artifact_path: str) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    sig_url = f"{url}/eldr/signature" if name == "eldr" else ""
-    stubs, urls = start_stubs(args.decodes, sig_url)
+    sig_port = free_port()
+    sig_url = {"eldr": f"{url}/eldr/signature", "eldr-list": f"{url}/eldr/signature",
+               "eldr-tcp": f"tcp://127.0.0.1:{sig_port}"}.get(name, "")
+    stubs, urls = start_stubs(args.decodes, sig_url, list_counts=name == "eldr-list")
     try:
         if name == "direct":
             return await measure(name, urls["decode"][0], args, stubs.pid)
         if name.startswith("eldr"):
             cmd = [sys.executable, "-m", "eldr_sglang.router", "--host", "127.0.0.1",
                    "--port", str(port), "--prefill", urls["prefill"], "8998",
-                   "--policy", "eldr" if name == "eldr" else "round_robin",
+                   "--policy", "round_robin" if name == "eldr-rr" else "eldr",
                    "--calibration", artifact_path, "--log-level", "warning"]
+            if name == "eldr-tcp":
+                cmd += ["--signature-port", str(sig_port)]
         else:
             cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
                    "--prefill", urls["prefill"], "8998", "--policy", "round_robin",
@@ -320,10 +344,11 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20000, help="decision-time iterations")
     ap.add_argument("--start-timeout", type=float, default=180.0)
     ap.add_argument("--skip-sglang", action="store_true")
-    ap.add_argument("--only", help="comma list of: direct,eldr,eldr-rr,sglang-router")
+    ap.add_argument("--only", help="comma list of: direct,eldr-tcp,eldr,eldr-list,eldr-rr,sglang-router")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--serve-stubs", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--signature-url", help=argparse.SUPPRESS)
+    ap.add_argument("--list-counts", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_stubs:
         return serve_stubs(args)
@@ -332,11 +357,12 @@ def main() -> None:
     dec = bench_decision(args.iters)
     print(f"\ndecision time, K={dec['K']} centroids x dim {dec['dim']}, {dec['servers']} servers "
           f"(median / p99 us; goal <= 20 us median):")
-    for key in ("choose_us", "explain_us", "matvec_us", "encode_us", "parse_us"):
-        print(f"  {key[:-3]:10s} {dec[key][0]:8.1f} {dec[key][1]:8.1f}")
-    print(f"  (signature message {dec['message_kb']:.1f} KB JSON)")
+    for key in ("choose_us", "explain_us", "matvec_us", "encode_us", "parse_us", "parse_packed_us"):
+        print(f"  {key[:-3]:12s} {dec[key][0]:8.1f} {dec[key][1]:8.1f}")
+    print(f"  (signature message {dec['message_kb']:.1f} KB with JSON rows, "
+          f"{dec['packed_kb']:.1f} KB packed)")
 
-    names = ["direct", "eldr", "eldr-rr"] + ([] if args.skip_sglang else ["sglang-router"])
+    names = ["direct", "eldr-tcp", "eldr", "eldr-list", "eldr-rr"] + ([] if args.skip_sglang else ["sglang-router"])
     if args.only:
         names = [n for n in args.only.split(",")]
         if "direct" not in names:
@@ -347,7 +373,7 @@ def main() -> None:
         for name in names:
             print(f"\nrunning {name} ...", flush=True)
             try:
-                rows[name] = asyncio.run(run_router(name, args, art_path))
+                rows[name] = run_loop(run_router(name, args, art_path))
             except Exception as e:  # noqa: BLE001 - report and continue
                 print(f"  {name} failed: {e}")
     base = rows.get("direct")
@@ -362,7 +388,7 @@ def main() -> None:
         rss = r["rss_mb"]
         print(f"  {name:15s} {r['p50_ms']:7.3f} {r['p99_ms']:7.3f} {add50:8.3f} {add99:8.3f} "
               f"{r['rps']:7.0f} {r['errors']:6d}  {rss[0] if rss else 0:.1f} -> {rss[-1] if rss else 0:.1f}")
-    for name in ("eldr", "eldr-rr"):
+    for name in ("eldr-tcp", "eldr", "eldr-list", "eldr-rr"):
         if name in rows:
             r = rows[name]
             print(f"  {name}: in-router added latency (metric, bucket bound) "
@@ -370,7 +396,7 @@ def main() -> None:
                   f"fallbacks {r.get('fallbacks')}")
     sg = rows.get("sglang-router")
     if sg:
-        for name in ("eldr", "eldr-rr"):
+        for name in ("eldr-tcp", "eldr", "eldr-list", "eldr-rr"):
             if name in rows:
                 r = rows[name]
                 print(f"  ratio {name}/sglang-router: throughput {r['rps'] / sg['rps']:.2f}x "

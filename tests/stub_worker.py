@@ -18,7 +18,9 @@ SGLang's abort answer ``{"detail": ...}``, "text" plain text), ``crash_on`` (the
 that connection without an answer, "stop" stops the whole server, "exit" ends the
 process -- the CLI default), ``hang`` (never answer until aborted),
 ``send_signature=False`` / ``--no-signature`` (prefill never posts a signature),
-``signature_delay`` (slow publish), ``health_status`` (what ``/health`` answers),
+``signature_url`` (``http://.../eldr/signature`` or ``tcp://host:port``),
+``signature_delay`` (slow publish), ``packed_counts=False`` / ``--list-counts``
+(counts as JSON rows instead of the engine's packed base64 form), ``health_status`` (what ``/health`` answers),
 ``stream_chunks`` / ``stream_delay`` (slow SSE stream). It records every request
 body (``requests``), every aborted rid (``aborts``) and signature post (``signatures``).
 
@@ -36,6 +38,7 @@ import asyncio
 import os
 import random
 import re
+import urllib.parse
 import zlib
 from typing import Any, Callable, Optional, Sequence
 
@@ -43,6 +46,8 @@ import aiohttp
 import numpy as np
 import orjson
 from aiohttp import web
+
+from eldr_sglang.core.counts_codec import pack_counts
 
 
 def topic_counts(text: str, layers: Sequence[int] = (0, 1), num_experts: int = 8,
@@ -116,6 +121,7 @@ class StubWorker:
         layers: Sequence[int] = (0, 1),
         num_experts: int = 8,
         counts_fn: Optional[Callable[[str], list]] = None,
+        packed_counts: bool = True,
         stream_chunks: int = 3,
         stream_delay: float = 0.0,
         seed: int = 0,
@@ -135,6 +141,7 @@ class StubWorker:
         self.signature_delay = signature_delay
         self.layers, self.num_experts = list(layers), num_experts
         self.counts_fn = counts_fn or (lambda t: topic_counts(t, self.layers, self.num_experts))
+        self.packed_counts = packed_counts
         self.stream_chunks, self.stream_delay = stream_chunks, stream_delay
         self.rng = random.Random(seed)
         self.model = model
@@ -145,6 +152,9 @@ class StubWorker:
         self._runner: Optional[web.AppRunner] = None
         self._session: Optional[aiohttp.ClientSession] = None
         self._tasks: set[asyncio.Task] = set()
+        self._outbox: list[dict] = []  # signature messages not sent yet
+        self._sender: Optional[asyncio.Task] = None
+        self._sig_writer: Optional[asyncio.StreamWriter] = None
         self.url = ""
 
     # ------------------------------------------------------------------ app
@@ -180,6 +190,8 @@ class StubWorker:
         for t in list(self._tasks):
             t.cancel()
         runner, self._runner = self._runner, None
+        if self._sig_writer is not None:
+            self._sig_writer.close()
         await runner.cleanup()
         if self._session:
             await self._session.close()
@@ -210,16 +222,40 @@ class StubWorker:
                 ev.set()
         return web.Response(status=200)
 
+    def _counts(self, text: str):
+        counts = self.counts_fn(text)
+        return pack_counts(counts) if self.packed_counts else counts
+
     async def _post_signature(self, msgs: list[dict]) -> None:
         if self.signature_delay:
             await asyncio.sleep(self.signature_delay)
         self.signatures.append(msgs)
-        try:
-            async with self._session.post(self.signature_url, data=orjson.dumps(
-                    msgs if len(msgs) > 1 else msgs[0])) as r:
-                await r.read()
-        except aiohttp.ClientError:
-            pass
+        self._outbox.extend(msgs)
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.get_running_loop().create_task(self._send_outbox())
+            self._tasks.add(self._sender)
+            self._sender.add_done_callback(self._tasks.discard)
+
+    async def _send_outbox(self) -> None:
+        """Like the engine's publisher: one send carries every message queued meanwhile,
+        as one HTTP POST (a JSON list) or JSON lines on a kept-open TCP connection."""
+        while self._outbox:
+            batch, self._outbox = self._outbox, []
+            try:
+                if self.signature_url.startswith("tcp://"):
+                    if self._sig_writer is None or self._sig_writer.is_closing():
+                        u = urllib.parse.urlsplit(self.signature_url)
+                        _, self._sig_writer = await asyncio.open_connection(u.hostname, u.port)
+                    self._sig_writer.write(b"".join(orjson.dumps(m) + b"\n" for m in batch))
+                    await self._sig_writer.drain()
+                else:
+                    async with self._session.post(self.signature_url, data=orjson.dumps(
+                            batch if len(batch) > 1 else batch[0])) as r:
+                        await r.read()
+            except (aiohttp.ClientError, OSError):
+                if self._sig_writer is not None:
+                    self._sig_writer.close()
+                    self._sig_writer = None
 
     async def _crash(self, request: web.Request) -> web.StreamResponse:
         if self.crash_mode == "exit":
@@ -248,7 +284,7 @@ class StubWorker:
         rooms = _as_list(body.get("bootstrap_room"), n)
         if self.role == "prefill" and self.send_signature and self.signature_url:
             msgs = [{"bootstrap_room": rooms[i], "rid": rids[i], "prompt_tokens": len(texts[i].split()),
-                     "cached_tokens": 0, "layers": self.layers, "counts": self.counts_fn(texts[i])}
+                     "cached_tokens": 0, "layers": self.layers, "counts": self._counts(texts[i])}
                     for i in range(n)]
             t = asyncio.get_running_loop().create_task(self._post_signature(msgs))
             self._tasks.add(t)
@@ -317,6 +353,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--no-signature", action="store_true", help="prefill never posts a signature")
     p.add_argument("--signature-url", help="router callback, e.g. http://127.0.0.1:8000/eldr/signature")
     p.add_argument("--signature-delay", type=float, default=0.0)
+    p.add_argument("--list-counts", action="store_true", help="counts as JSON rows, not packed")
     p.add_argument("--layers", default="0,1")
     p.add_argument("--num-experts", type=int, default=8)
     p.add_argument("--stream-chunks", type=int, default=3)
@@ -327,6 +364,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                    fail_body=a.fail_body, crash_on=a.crash_on,
                    crash_mode=a.crash_mode, health_status=a.health_status, hang=a.hang, send_signature=not a.no_signature,
                    signature_url=a.signature_url, signature_delay=a.signature_delay,
+                   packed_counts=not a.list_counts,
                    layers=[int(x) for x in a.layers.split(",")], num_experts=a.num_experts,
                    stream_chunks=a.stream_chunks, stream_delay=a.stream_delay)
 

@@ -25,6 +25,7 @@ def test_split_argv_takes_only_eldr_flags():
     (["--eldr-layers", "a,b"], "--eldr-layers"),
     (["--eldr-layers", "1,1"], "distinct"),
     (["--eldr-layers", "1", "--eldr-publish", "router:8000"], "--eldr-publish"),
+    (["--eldr-layers", "1", "--eldr-publish", "tcp://router"], "--eldr-publish"),
     (["--eldr-publish", "http://r:1/eldr/signature"], "needs --eldr-calibration"),
     (["--eldr-calibration", "/no/such/file.json"], "no such file"),
     (["--eldr-metrics-port", "http"], "--eldr-metrics-port"),

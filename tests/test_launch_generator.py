@@ -62,7 +62,7 @@ def test_preset_commands(preset, n_prefill, n_decode, tp, ep):
         a = list(l.argv)
         assert flag(a, "--disaggregation-mode") == "prefill"
         assert flag(a, "--eldr-calibration").endswith("artifact.json")
-        assert flag(a, "--eldr-publish") == "http://10.0.0.10:8000/eldr/signature"
+        assert flag(a, "--eldr-publish") == "tcp://10.0.0.10:8001"
         assert "--disaggregation-bootstrap-port" in a
     for k, l in enumerate(decode):
         a = list(l.argv)
@@ -79,6 +79,7 @@ def test_preset_commands(preset, n_prefill, n_decode, tp, ep):
     boots = [(r[i + 1], r[i + 2]) for i, x in enumerate(r) if x == "--prefill"]
     assert boots == [(l.url, flag(list(l.argv), "--disaggregation-bootstrap-port")) for l in prefill]
     assert (flag(r, "--policy"), flag(r, "--tau"), flag(r, "--port")) == ("eldr", "0.1", "8000")
+    assert flag(r, "--signature-port") == "8001"
     assert flag(r, "--calibration") == flag(list(prefill[0].argv), "--eldr-calibration")
 
 
@@ -148,7 +149,19 @@ BAD = [
     (P30B, "transfer_backend", "nixl", "transfer_backend: 'nixl'"),
     (P30B, "router.node", "mi300x-9", "router.node: unknown node 'mi300x-9'"),
     (P30B, "router.port", 30000, "router.port: port 30000 on 10.0.0.10"),
+    (P30B, "router.signature_port", 8000, "router.signature_port: port 8000 on 10.0.0.10 (router) collides with router"),
+    (P30B, "router.signature_port", "fast", "router.signature_port"),
 ]
+
+
+def test_signature_port_null_publishes_over_http(tmp_path):
+    from eldr_sglang.deploy.commands import build_launches
+    from eldr_sglang.deploy.spec import parse_cluster
+
+    ls = build_launches(parse_cluster(_set(preset_doc(P30B), "router.signature_port", None)))
+    prefill = [l for l in ls if l.name.startswith("prefill-")]
+    assert all(flag(list(l.argv), "--eldr-publish") == "http://10.0.0.10:8000/eldr/signature" for l in prefill)
+    assert "--signature-port" not in ls[-1].argv
 
 
 @pytest.mark.parametrize("preset,path,value,message", BAD, ids=[f"{b[1]}={b[2]}" if b[2] is not _DELETE else f"{b[1]}=deleted" for b in BAD])

@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import socket
 import sys
+import logging
 import time
 from pathlib import Path
 
@@ -386,3 +387,43 @@ def test_parse_message_validation_and_board_ttl():
         board.post({"bootstrap_room": 8})  # sweeps the expired room 7
         assert not board.expect(7).done() and board.expect(8).done() and board.expired == 1
     run(main())
+
+
+def test_signatures_over_the_tcp_stream_route_like_http_ones(caplog):
+    async def main():
+        async with cluster(signature_listen=("127.0.0.1", 0), max_body_mb=1 / 1024) as (
+                router, url, prefill, decodes, http):
+            assert router.signature_port
+            prefill.signature_url = f"tcp://127.0.0.1:{router.signature_port}"
+            for topic in (3, 1, 2, 0):
+                st, raw = await post(http, f"{url}/generate", {"text": f"topic:{topic} hi"})
+                assert st == 200 and orjson.loads(raw)["meta_info"]["server"] == f"d{topic}", raw
+            assert router.counters.get("fallbacks", 0) == 0
+            assert router.counters["signatures_used"] == 4
+            assert router.counters["signature_streams"] == 1  # one kept-open connection
+            # a bad line is counted and skipped; the stream stays usable
+            _, w = await asyncio.open_connection("127.0.0.1", router.signature_port)
+            w.write(b"{not json\n" + orjson.dumps({"bootstrap_room": 5, "layers": [0]}) + b"\n"
+                    + orjson.dumps({"bootstrap_room": 6, "layers": [0, 1],
+                                    "counts": [[1] * 8, [2] * 8]}) + b"\n")
+            await w.drain()
+            for _ in range(100):
+                if 6 in router.board.buffer:
+                    break
+                await asyncio.sleep(0.02)
+            assert 6 in router.board.buffer and 5 not in router.board.buffer
+            assert router.counters["signature_invalid"] == 2
+            # a line over the body limit closes that connection (and only that one)
+            w.write(b"[" + b"1," * 2000 + b"1]\n")
+            await w.drain()
+            for _ in range(100):
+                if router.counters.get("signature_invalid") == 3:
+                    break
+                await asyncio.sleep(0.02)
+            assert router.counters["signature_invalid"] == 3
+            w.close()
+            st, raw = await post(http, f"{url}/generate", {"text": "topic:2 again"})
+            assert st == 200 and orjson.loads(raw)["meta_info"]["server"] == "d2"
+    with caplog.at_level(logging.WARNING, logger="eldr_sglang.router"):
+        run(main())
+    assert "invalid JSON" in caplog.text and "over 1024 bytes" in caplog.text

@@ -46,6 +46,9 @@ def smoothed_idf(doc_freq: np.ndarray, n_docs: int) -> np.ndarray:
 def l2_normalize(x: np.ndarray) -> np.ndarray:
     """Row-wise L2 normalisation of [..., D] as float32; zero rows stay zero."""
     x = np.asarray(x, dtype=np.float32)
+    if x.ndim == 1:  # one signature (the router's case): no blocks, no temporaries
+        norm = float(np.sqrt(np.dot(x.astype(np.float64), x)))
+        return x / np.float32(norm) if norm > 0 else np.zeros_like(x)
     flat = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
     out = np.zeros_like(flat)
     for s in range(0, flat.shape[0], 4096):  # float64 norms, blockwise (no [N, D] float64 copy)

@@ -86,7 +86,10 @@ def build_launches(cluster: Cluster) -> list[Launch]:
           "--disaggregation-decode-allocation-policy", "prefill_complete"]
     if cluster.ib_device:
         pd += ["--disaggregation-ib-device", cluster.ib_device]
-    router_url = f"http://{cluster.node(cluster.router.node).host}:{cluster.router.port}"
+    r = cluster.router
+    router_host = cluster.node(r.node).host
+    publish = (f"tcp://{router_host}:{r.signature_port}" if r.signature_port is not None
+               else f"http://{router_host}:{r.port}/eldr/signature")
     prefill_targets: list[tuple[str, int]] = []
     for role in (cluster.prefill, cluster.decode):
         for i, (node_name, gpus) in enumerate(assign_gpus(cluster, role, used)):
@@ -107,7 +110,7 @@ def build_launches(cluster: Cluster) -> list[Launch]:
                 boot = role.bootstrap_port + slot
                 _claim(ports, node.host, boot, "prefill.bootstrap_port", name)
                 argv += ["--disaggregation-bootstrap-port", str(boot),
-                         "--eldr-calibration", cluster.calibration, "--eldr-publish", f"{router_url}/eldr/signature"]
+                         "--eldr-calibration", cluster.calibration, "--eldr-publish", publish]
                 prefill_targets.append((f"http://{node.host}:{port}", boot))
             else:
                 if role.ep_size > 1:
@@ -121,9 +124,10 @@ def build_launches(cluster: Cluster) -> list[Launch]:
             argv += role.extra_args
             env = ((VISIBLE_DEVICES[cluster.vendor], ",".join(map(str, gpus))), *role.env)
             launches.append(Launch(name, node_name, node.host, gpus, env, tuple(argv), port))
-    r = cluster.router
-    host = cluster.node(r.node).host
+    host = router_host
     _claim(ports, host, r.port, "router.port", "router")
+    if r.signature_port is not None:
+        _claim(ports, host, r.signature_port, "router.signature_port", "router")
     argv = [cluster.python, "-m", "eldr_sglang.router"]
     for url, boot in prefill_targets:
         argv += ["--prefill", url, str(boot)]
@@ -133,7 +137,10 @@ def build_launches(cluster: Cluster) -> list[Launch]:
     argv += ["--policy", r.policy]
     if r.policy == "eldr":
         argv += ["--calibration", cluster.calibration, "--tau", f"{r.tau:g}"]
-    argv += ["--host", r.host, "--port", str(r.port), *r.extra_args]
+    argv += ["--host", r.host, "--port", str(r.port)]
+    if r.signature_port is not None:
+        argv += ["--signature-port", str(r.signature_port)]
+    argv += list(r.extra_args)
     launches.append(Launch("router", r.node, host, (), (), tuple(argv), r.port))
     return launches
 

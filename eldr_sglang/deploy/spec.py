@@ -8,7 +8,8 @@ Schema (unknown keys are refused)::
     ib_device: str | null          # --disaggregation-ib-device
     attention_dp_late_binding: false   # allow TP > 1 under late binding (see DEPLOY.md)
     nodes: [{name, host, gpus}]
-    router: {node, port: 8000, host: 0.0.0.0, policy: eldr, tau: 0.1, extra_args: []}
+    router: {node, port: 8000, signature_port: 8001, host: 0.0.0.0, policy: eldr, tau: 0.1, extra_args: []}
+                                   # signature_port: null -> engines publish over HTTP instead
     prefill: {count, tp_size: 1, ep_size: 1, nodes: [names], port, bootstrap_port, servers, extra_args, env}
     decode:  {count, tp_size: 1, ep_size: 1, nodes: [names], port, metrics_port, placement_dir,
               num_redundant_experts: 0, servers, extra_args, env}
@@ -64,6 +65,7 @@ class Role:
 class Router:
     node: str
     port: int = 8000
+    signature_port: int | None = 8001  # TCP signature stream (None: HTTP POST to port)
     host: str = "0.0.0.0"
     policy: str = "eldr"
     tau: float = 0.1
@@ -96,7 +98,7 @@ _TOP = {"name", "vendor", "model_path", "calibration", "python", "log_dir", "tra
 _ROLE = {"count", "tp_size", "ep_size", "nodes", "port", "servers", "extra_args", "env"}
 _PREFILL = _ROLE | {"bootstrap_port"}
 _DECODE = _ROLE | {"metrics_port", "placement_dir", "num_redundant_experts"}
-_ROUTER = {"node", "port", "host", "policy", "tau", "extra_args"}
+_ROUTER = {"node", "port", "signature_port", "host", "policy", "tau", "extra_args"}
 
 
 def parse_cluster(doc: Any) -> Cluster:
@@ -227,7 +229,9 @@ def _router(value: Any, node_names: list[str]) -> Router:
     tau = m.get("tau", 0.1)
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or tau < 0:
         raise DescriptionError(f"router.tau: expected a number >= 0, got {tau!r}")
+    sig = m.get("signature_port", 8001)
     return Router(node=node, port=_port(m.get("port", 8000), "router.port"),
+                  signature_port=None if sig is None else _port(sig, "router.signature_port"),
                   host=_str(m.get("host", "0.0.0.0"), "router.host"),
                   policy=_str(m.get("policy", "eldr"), "router.policy"), tau=float(tau),
                   extra_args=_args(m.get("extra_args", []), "router.extra_args"))

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eldr_sglang.core.counts_codec import pack_counts
 from eldr_sglang.patches.flags import EngineConfig, FlagError, check_model_dims
 from eldr_sglang.radix_signature import ExpertSlotTable
 
@@ -233,14 +234,16 @@ def prompt_counts(scheduler, req, table: ExpertSlotTable) -> torch.Tensor:
     return table.counts(slots)
 
 
-def signature_message(req, counts: torch.Tensor, layers: list[int]) -> dict:
+def signature_message(req, counts: torch.Tensor, layers: list[int], packed: bool = False) -> dict:
+    """The router's message; ``packed`` sends counts as a base64 array (publishing),
+    else as lists of rows (traces, ``meta_info``)."""
     return {
         "bootstrap_room": req.bootstrap_room,
         "rid": req.rid,
         "prompt_tokens": len(req.origin_input_ids),
         "cached_tokens": int(getattr(req, "cached_tokens", 0) or 0),
         "layers": layers,
-        "counts": counts.cpu().tolist(),
+        "counts": pack_counts(counts.cpu().numpy()) if packed else counts.cpu().tolist(),
     }
 
 
@@ -257,7 +260,7 @@ def disagg_prefill_after(result, scheduler, batch, *args, **kwargs):
             counts = prompt_counts(scheduler, req, state.table)
             if state.publisher is not None:
                 published = counts.index_select(0, state.publish_columns)
-                state.publisher.submit(signature_message(req, published, state.publish_layers))
+                state.publisher.submit(signature_message(req, published, state.publish_layers, packed=True))
             if state.trace_writer is not None:
                 _write_prefill_trace(state, req, scheduler, counts)
     except Exception as exc:

@@ -70,9 +70,16 @@ def _layers(value: str) -> tuple[int, ...] | str:
 
 def _url(value: str) -> str:
     u = urlparse(value)
-    if u.scheme not in ("http", "https") or not u.netloc:
-        raise FlagError(f"--eldr-publish: expected an http(s) URL such as http://router:8000/eldr/signature, got {value!r}")
-    return value
+    try:
+        port = u.port
+    except ValueError:
+        port = None
+    if u.scheme in ("http", "https") and u.netloc:
+        return value
+    if u.scheme == "tcp" and u.hostname and port:
+        return value
+    raise FlagError("--eldr-publish: expected http://router:8000/eldr/signature or "
+                    f"tcp://router:PORT (the router's --signature-port), got {value!r}")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for a prefill signature before falling back to JSQ")
     p.add_argument("--signature-ttl", type=float, default=30.0,
                    help="seconds an early (unclaimed) signature message is kept")
+    p.add_argument("--signature-port", type=int, default=None,
+                   help="also take signature messages as newline-delimited JSON on this TCP "
+                   "port (engines: --eldr-publish tcp://ROUTER:PORT; 0 = any free port)")
     p.add_argument("--signature-buffer", type=int, default=4096,
                    help="max early (unclaimed) signature messages kept, oldest dropped first")
     p.add_argument("--label-field", help="body field holding the request label (domain policy); "
@@ -83,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info")
+    p.add_argument("--event-loop", choices=("auto", "uvloop", "asyncio"), default="auto",
+                   help="auto: uvloop when installed, else asyncio's own loop")
     return p
 
 
@@ -178,7 +183,8 @@ def build_router(args: argparse.Namespace) -> Router:
         health_timeout=args.health_timeout, health_failures=args.health_failures,
         breaker_threshold=args.breaker_threshold, request_timeout=args.request_timeout,
         max_body_mb=args.max_body_mb, admin_token=args.admin_token,
-        log_decisions=args.log_decisions, calibration_path=args.calibration, seed=args.seed)
+        log_decisions=args.log_decisions, calibration_path=args.calibration, seed=args.seed,
+        signature_listen=(args.host, args.signature_port) if args.signature_port is not None else None)
 
 
 async def serve(router: Router, host: str, port: int, drain_timeout: float) -> None:
@@ -209,7 +215,20 @@ def main(argv: Optional[list[str]] = None) -> None:
     logging.getLogger("eldr_sglang.router").info(
         "policy=%s tau=%s prefill=%s decode=%s", args.policy, router.tau,
         [s.url for s in router.prefills], [s.url for s in router.decodes])
-    asyncio.run(serve(router, args.host, args.port, args.drain_timeout))
+    run_loop(serve(router, args.host, args.port, args.drain_timeout), args.event_loop)
+
+
+def run_loop(coro, event_loop: str = "auto") -> None:
+    """Run on uvloop (faster sockets and callbacks) when installed, else asyncio's loop."""
+    if event_loop != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if event_loop == "uvloop":
+                sys.exit("eldr router: --event-loop uvloop, but uvloop is not installed")
+        else:
+            return uvloop.run(coro)
+    asyncio.run(coro)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ One request, in the spirit of sglang_router's MiniLoadBalancer but late-binding:
    a ``rid`` if the client gave none; POST the body to the prefill server in the
    background (its response only arrives after decode bound and KV moved);
 2. if the policy needs a signature, wait (``--signature-timeout``) for the prefill
-   plugin's message for that room on ``POST /eldr/signature``; a prefill error
+   plugin's message for that room on ``POST /eldr/signature`` (or the TCP stream of
+   ``--signature-port``: one JSON message per line, no answers); a prefill error
    arriving first is returned to the client; a timeout or bad message falls back
    to JSQ (counted);
 3. ``policy.choose(RouteRequest(signature, label), loads, healthy)`` picks the
@@ -235,6 +236,7 @@ class Router:
         log_decisions: bool = False,
         calibration_path: Optional[str] = None,
         seed: Optional[int] = 0,
+        signature_listen: Optional[tuple[str, int]] = None,
     ) -> None:
         if not prefill or not decode:
             raise ValueError("need at least one prefill and one decode server")
@@ -273,6 +275,10 @@ class Router:
         self.session: Optional[aiohttp.ClientSession] = None
         self._rr = 0
         self._bg: set[asyncio.Task] = set()
+        self.signature_listen = signature_listen  # (host, port) of the TCP signature stream
+        self.signature_port: Optional[int] = None  # bound port once started
+        self._signature_server: Optional[asyncio.AbstractServer] = None
+        self._streams: set[asyncio.StreamWriter] = set()
         self._fallback_rng = np.random.default_rng(seed)
         self._decision_children: dict[str, Any] = {}
         self._duration_children: dict[str, Any] = {}
@@ -440,7 +446,8 @@ class Router:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         deadline = t0 + self.signature_timeout
-        all_in = asyncio.ensure_future(asyncio.wait(waiters))
+        # one room (the usual case): wait on its future itself, no helper task
+        all_in = waiters[0] if len(waiters) == 1 else asyncio.ensure_future(asyncio.wait(waiters))
         watch = {all_in, prefill_task}
         try:
             while True:
@@ -774,12 +781,8 @@ class Router:
     async def h_chat(self, request: web.Request) -> web.StreamResponse:
         return await self.dispatch(request, "v1/chat/completions")
 
-    async def h_signature(self, request: web.Request) -> web.Response:
-        try:
-            data = orjson.loads(await request.read())
-        except orjson.JSONDecodeError as e:
-            self.metrics.signatures.labels("invalid").inc()
-            return error_response(400, f"invalid JSON body: {e}")
+    def accept_signatures(self, data: Any) -> tuple[int, int, list[str]]:
+        """Validate and deliver one message or a list; (delivered, buffered, errors)."""
         msgs = data if isinstance(data, list) else [data]
         delivered = buffered = 0
         errors = []
@@ -798,11 +801,57 @@ class Router:
                 self.metrics.signatures.labels("buffered").inc()
         self._count("signature_messages", delivered + buffered)
         self._count("signature_invalid", len(errors))
+        return delivered, buffered, errors
+
+    async def h_signature(self, request: web.Request) -> web.Response:
+        try:
+            data = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as e:
+            self.metrics.signatures.labels("invalid").inc()
+            return error_response(400, f"invalid JSON body: {e}")
+        delivered, buffered, errors = self.accept_signatures(data)
         out = {"accepted": delivered + buffered, "delivered": delivered,
                "buffered": buffered, "rejected": len(errors), "errors": errors[:10]}
         if errors and not (delivered + buffered):
             return json_response({"error": errors[0], **out}, 400)
         return json_response(out)
+
+    async def signature_stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """``--signature-port``: newline-delimited JSON messages on a kept-open TCP
+        connection (the engine's ``--eldr-publish tcp://router:PORT``); nothing is
+        answered. A bad line is counted and logged; a line over the body limit
+        closes the connection."""
+        peer = writer.get_extra_info("peername")
+        self._streams.add(writer)
+        self._count("signature_streams")
+        try:
+            while True:
+                try:
+                    line = await reader.readline()
+                except ValueError:  # longer than the limit
+                    self.metrics.signatures.labels("invalid").inc()
+                    self._count("signature_invalid")
+                    logger.warning("signature stream from %s: line over %d bytes; closing", peer, self.max_body)
+                    break
+                if not line:
+                    break
+                if line.isspace():
+                    continue
+                try:
+                    data = orjson.loads(line)
+                except orjson.JSONDecodeError as e:
+                    self.metrics.signatures.labels("invalid").inc()
+                    self._count("signature_invalid")
+                    logger.warning("signature stream from %s: invalid JSON: %s", peer, e)
+                    continue
+                errors = self.accept_signatures(data)[2]
+                if errors:
+                    logger.warning("signature stream from %s: %s", peer, errors[0])
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._streams.discard(writer)
+            writer.close()
 
     async def h_health(self, request: web.Request) -> web.Response:
         if self.draining:
@@ -875,6 +924,7 @@ class Router:
         return {
             "policy": self.policy_name, "tau": self.tau,
             "signature_timeout": self.signature_timeout,
+            "signature_port": self.signature_port, "signature_streams": len(self._streams),
             "artifact": self.encoder.describe() if self.encoder else None,
             "calibration_path": self.calibration_path,
             "draining": self.draining, "active_requests": self.active,
@@ -1086,8 +1136,19 @@ class Router:
         if self.health_interval and self.health_interval > 0:
             self._spawn(self._health_loop())
         self._spawn(self._housekeeping())
+        if self.signature_listen is not None:
+            host, port = self.signature_listen
+            self._signature_server = await asyncio.start_server(
+                self.signature_stream, host, port, limit=self.max_body)
+            self.signature_port = self._signature_server.sockets[0].getsockname()[1]
+            logger.info("signature stream on %s:%d", host, self.signature_port)
 
     async def _cleanup(self, app: web.Application) -> None:
+        if self._signature_server is not None:
+            self._signature_server.close()
+            for w in list(self._streams):
+                w.close()
+            await self._signature_server.wait_closed()
         for t in list(self._bg):
             t.cancel()
         await asyncio.gather(*self._bg, return_exceptions=True)

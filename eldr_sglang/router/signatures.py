@@ -6,7 +6,8 @@ messages is accepted too)::
     {"bootstrap_room": int, "rid": str, "prompt_tokens": int, "cached_tokens": int,
      "layers": [int] * n_sel, "counts": [[int] * E] * n_sel}
 
-Only ``bootstrap_room``, ``layers`` and ``counts`` are required. The router turns
+``counts`` may also be packed (``{"dtype", "shape", "data": base64}``, see
+:mod:`eldr_sglang.core.counts_codec`), as the engine plugin sends it. Only ``bootstrap_room``, ``layers`` and ``counts`` are required. The router turns
 counts into the unit signature vector with the calibration artifact, so a new
 artifact with the same layers needs no engine restart.
 """
@@ -19,6 +20,8 @@ from collections import OrderedDict
 from typing import Any, Callable, Optional
 
 import numpy as np
+
+from eldr_sglang.core.counts_codec import unpack_counts
 
 MAX_ROOM = 2**64
 
@@ -46,12 +49,15 @@ def parse_message(obj: Any) -> dict:
     if not isinstance(layers, list) or not all(_is_int(x) for x in layers):
         raise ValueError("layers must be a list of integers")
     counts = obj.get("counts")
-    if not isinstance(counts, (list, np.ndarray)):
-        raise ValueError("counts must be a list of rows, one per layer")
-    try:
-        arr = np.array(counts)  # one C pass; ragged rows raise ValueError
-    except (ValueError, TypeError):
-        raise ValueError("counts rows must be lists of numbers of equal length") from None
+    if isinstance(counts, dict):
+        arr = unpack_counts(counts)
+    elif isinstance(counts, (list, np.ndarray)):
+        try:
+            arr = np.array(counts)  # one C pass; ragged rows raise ValueError
+        except (ValueError, TypeError):
+            raise ValueError("counts rows must be lists of numbers of equal length") from None
+    else:
+        raise ValueError("counts must be a list of rows (one per layer) or packed counts")
     if arr.ndim != 2 or arr.shape[0] != len(layers) or arr.dtype.kind not in "iuf":
         raise ValueError(f"counts must be numbers shaped [len(layers)={len(layers)}, E], "
                          f"got shape {list(arr.shape)}")
