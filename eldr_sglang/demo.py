@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import sys
 import time
@@ -82,12 +83,15 @@ class PhaseReport:
         }
 
 
-def workload(path: Path, repeat: int, limit: int = 0) -> list[tuple[str, str, str]]:
+def workload(path: Path, repeat: int, limit: int = 0, seed: int = 0) -> list[tuple[str, str, str]]:
     """(rid, "domain/language" label, prompt) of the first ``limit`` requests (0 = all)
-    of a workload file, ``repeat`` times."""
+    of a workload file, ``repeat`` times, in one fixed shuffled order (both policies
+    replay the same order; the file alternates the two workloads, and round robin
+    over 2 servers would otherwise split them by workload by accident)."""
     with open(path, encoding="utf-8") as f:
         reqs = [json.loads(line) for line in f]
     reqs = reqs[:limit] if limit else reqs
+    random.Random(seed).shuffle(reqs)
     return [(f"{r['id']}-{k}", f"{r['labels']['domain']}/{r['labels']['language']}", r["prompt"])
             for k in range(repeat) for r in reqs]
 
@@ -198,6 +202,35 @@ def matched_change(base: PhaseReport, other: PhaseReport) -> tuple[float, int]:
     return (100.0 * num / den if den else float("nan")), matched
 
 
+def label_entropy(mix: dict[str, Counter]) -> float:
+    """Mean Shannon entropy (bits) of the label mix per decode server, weighted by
+    requests: 0 when each server gets one label, log2(labels) when all mix evenly."""
+    total = sum(sum(c.values()) for c in mix.values())
+    h = 0.0
+    for c in mix.values():
+        n = sum(c.values())
+        p = np.array([v / n for v in c.values() if v]) if n else np.array([])
+        h += n / total * float(-(p * np.log2(p)).sum()) if total else 0.0
+    return h
+
+
+def report_json(reports: list[PhaseReport], decode_urls: list[str]) -> dict:
+    """What the demo printed, as data (``report.json`` next to ``report.txt``)."""
+    change, matched = matched_change(reports[0], reports[-1])
+    return {
+        "decode_servers": decode_urls,
+        "policies": {rep.policy: {
+            "label_mix": {u: dict(rep.label_mix[u]) for u in decode_urls},
+            "label_entropy_bits": label_entropy(rep.label_mix),
+            "unique_experts_per_step": {u: rep.unique_per_step[u] for u in decode_urls},
+            "decode_steps": {u: rep.steps[u] for u in decode_urls},
+            "mean_unique_experts_per_step": rep.unique_overall(),
+            "latency": rep.latency_figures(), "wall_s": rep.wall,
+        } for rep in reports},
+        "equal_batch_change_pct": change, "matched_steps": matched,
+    }
+
+
 def print_report(reports: list[PhaseReport], decode_urls: list[str]) -> str:
     lines = []
     w = 18
@@ -214,6 +247,8 @@ def print_report(reports: list[PhaseReport], decode_urls: list[str]) -> str:
     figs = [rep.latency_figures() for rep in reports]
     lines.append("".ljust(26) + "".join(rep.policy.rjust(w) for rep in reports))
     lines.append("mean experts/decode step".ljust(26) + "".join(f"{rep.unique_overall():{w}.2f}" for rep in reports))
+    lines.append("label entropy/server, bits".ljust(26) + "".join(f"{label_entropy(rep.label_mix):{w}.2f}"
+                                                              for rep in reports))
     for key in figs[0]:
         lines.append(key.ljust(26) + "".join(f"{f[key]:{w}.1f}" for f in figs))
     change, matched = matched_change(reports[0], reports[-1])
@@ -334,6 +369,7 @@ def main(argv=None) -> int:
             router = None
         text = print_report(reports, decode_urls)
         (out / "report.txt").write_text(text + "\n")
+        (out / "report.json").write_text(json.dumps(report_json(reports, decode_urls), indent=1) + "\n")
         png = save_plot(reports, decode_urls, out / "demo.png")
         print(f"Saved the comparison to {png} (and {out / 'report.txt'}).")
         return 0

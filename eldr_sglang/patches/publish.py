@@ -43,6 +43,7 @@ class SignaturePublisher:
         self._path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         self._conn: http.client.HTTPConnection | None = None
         self._sock: socket.socket | None = None
+        self._poll = select.poll()
         self.connections = 0  # connections opened (stays 1 while the router keeps it open)
         self.timeout = timeout
         self.max_batch = max_batch
@@ -86,12 +87,15 @@ class SignaturePublisher:
     def _send_tcp(self, batch: list[dict]) -> None:
         sock = self._sock
         # the router never writes: a readable socket means it closed or reset the connection
-        if sock is not None and select.select([sock], [], [], 0)[0]:
+        # (poll, not select: no limit on the descriptor number in a busy server process)
+        if sock is not None and self._poll.poll(0):
             self._close()
             sock = None
         if sock is None:
             sock = self._sock = socket.create_connection((self._host, self._port), timeout=self.timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._poll = select.poll()
+            self._poll.register(sock, select.POLLIN)
             self.connections += 1
         sock.sendall(b"".join(orjson.dumps(m) + b"\n" for m in batch))
 
