@@ -289,7 +289,10 @@ def save_plot(reports: list[PhaseReport], decode_urls: list[str], out: Path) -> 
                    color=colors[j % len(colors)])
             bottom += vals
         ax.set_title(f"{rep.policy}: requests per decode server (label mix)")
-    axes[0].legend(fontsize=7, ncol=2)
+    top = max(sum(mix.values()) for rep in reports for mix in rep.label_mix.values())
+    for ax in axes[:-1]:
+        ax.set_ylim(0, top * 1.5)  # one scale for both policies; headroom for the legend
+    axes[0].legend(fontsize=7, ncol=3, loc="upper center")
     ax = axes[-1]
     for rep, style in zip(reports, ("o--", "s-")):
         sizes = sorted(b for b, v in rep.by_batch.items() if len(v) >= MIN_PLOT_STEPS)
