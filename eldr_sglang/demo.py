@@ -64,6 +64,7 @@ class PhaseReport:
     unique_per_step: dict[str, float] = field(default_factory=dict)
     steps: dict[str, float] = field(default_factory=dict)
     by_batch: dict[int, list[int]] = field(default_factory=dict)  # batch size -> distinct experts per step
+    router_counters: dict[str, int] = field(default_factory=dict)  # the router's /eldr/status counters
     wall: float = 0.0
 
     def unique_overall(self) -> float:
@@ -158,6 +159,7 @@ def run_phase(cluster: lc.PDCluster, router: lc.ManagedProcess, policy: str, row
     for f, lines in step_lines(decode_trace).items():
         for step in lines[len(steps_before.get(f, [])):]:
             report.by_batch.setdefault(step["batch_size"], []).append(sum(step["unique_per_layer"]))
+    report.router_counters = lc.http_json(router.url + "/eldr/status")["counters"]
     label_of = {f"{policy}-{r.rid}": r.label for r in results}
     report.label_mix = {proc.url: Counter() for proc, _ in cluster.decodes}
     for decision in lc.http_json(router.url + f"/eldr/decisions?last={len(rows) + 10}"):
@@ -226,6 +228,7 @@ def report_json(reports: list[PhaseReport], decode_urls: list[str]) -> dict:
             "decode_steps": {u: rep.steps[u] for u in decode_urls},
             "mean_unique_experts_per_step": rep.unique_overall(),
             "latency": rep.latency_figures(), "wall_s": rep.wall,
+            "router_counters": rep.router_counters,
         } for rep in reports},
         "equal_batch_change_pct": change, "matched_steps": matched,
     }

@@ -71,6 +71,10 @@ def test_fast_demo_eldr_concentrates_labels(demo_run):
         assert sum(got.values()) == REQUESTS
         assert phase["latency"]["completed"] >= REQUESTS - 1, phase["latency"]
         assert all(s > 0 for s in phase["decode_steps"].values()), phase["decode_steps"]
+    # the prefill server published every signature over the TCP stream, and the router used them
+    assert eldr["router_counters"].get("signature_streams", 0) >= 1, eldr["router_counters"]
+    assert eldr["router_counters"]["signatures_used"] >= REQUESTS, eldr["router_counters"]
+    assert eldr["router_counters"].get("fallbacks", 0) == 0, eldr["router_counters"]
     assert eldr["label_entropy_bits"] < rr["label_entropy_bits"], (eldr["label_mix"], rr["label_mix"])
 
 

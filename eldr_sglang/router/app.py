@@ -50,6 +50,7 @@ from typing import Any, Optional, Sequence
 import aiohttp
 import numpy as np
 import orjson
+import yarl
 from aiohttp import web
 
 from eldr_sglang.core.policies import Decision, RouteRequest, least_loaded, make_policy
@@ -125,10 +126,18 @@ class Server:
     trial: bool = False  # half-open: the one trial request is in flight
     host: str = field(init=False)
     m: Any = field(default=None, repr=False)  # cached Prometheus children (hot path)
+    _endpoints: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
         self.host = _host_of(self.url)
+
+    def endpoint(self, path: str) -> yarl.URL:
+        """``url/path`` parsed once (the hot path posts to the same few endpoints)."""
+        u = self._endpoints.get(path)
+        if u is None:
+            u = self._endpoints[path] = yarl.URL(f"{self.url}/{path}")
+        return u
 
     def healthy(self, now: float) -> bool:
         """May be picked now: health checks pass and the breaker lets a request through."""
@@ -503,7 +512,7 @@ class Router:
             s = fl.prefill
             self._enter(s)
             try:
-                async with self.session.post(f"{s.url}/{endpoint}", data=fl.payload,
+                async with self.session.post(s.endpoint(endpoint), data=fl.payload,
                                              headers={"Content-Type": JSON}) as resp:
                     body = await resp.read()
                     if resp.status == 200:
@@ -558,7 +567,7 @@ class Router:
                            prefill_task: asyncio.Task):
         """POST to decode; returns ClientResponse, a failed PrefillResult, or an exception."""
         async def send() -> aiohttp.ClientResponse:
-            return await self.session.post(f"{d.url}/{endpoint}", data=payload,
+            return await self.session.post(d.endpoint(endpoint), data=payload,
                                            headers={"Content-Type": JSON})
 
         post = asyncio.ensure_future(send())
