@@ -413,3 +413,23 @@ def test_worker_error_bodies_always_carry_an_error_key(body_kind):
             body = orjson.loads(raw)
             assert st == 503 and "error" in body and "stub d" in json.dumps(body), body
     run(main())
+
+
+def test_ports_in_use_or_clashing_stop_the_cli_with_a_message():
+    import socket
+
+    base = [sys.executable, "-m", "eldr_sglang.router", "--prefill", "http://127.0.0.1:1",
+            "--decode", "http://127.0.0.1:2", "--policy", "round_robin", "--host", "127.0.0.1"]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = str(busy.getsockname()[1])
+        for extra, flag in ((["--port", taken], "--port"),
+                            (["--port", str(free_port()), "--signature-port", taken], "--signature-port")):
+            done = subprocess.run(base + extra, capture_output=True, text=True, timeout=60)
+            assert done.returncode == 1, done.stderr
+            assert "cannot listen" in done.stderr and flag in done.stderr and "address already in use" in done.stderr
+            assert "Traceback" not in done.stderr and "Unclosed client session" not in done.stderr
+    done = subprocess.run(base + ["--port", "8123", "--signature-port", "8123"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--signature-port 8123 is the router's --port" in done.stderr

@@ -161,6 +161,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error("--policy eldr needs --calibration")
     if args.policy == "domain" and not args.domain_map:
         p.error("--policy domain needs --domain-map")
+    if args.signature_port is not None and not 0 <= args.signature_port <= 65535:
+        p.error(f"--signature-port: expected 0-65535, got {args.signature_port}")
+    if args.signature_port is not None and args.signature_port == args.port and args.port != 0:
+        p.error(f"--signature-port {args.signature_port} is the router's --port; pick another")
     return args
 
 
@@ -215,7 +219,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     logging.getLogger("eldr_sglang.router").info(
         "policy=%s tau=%s prefill=%s decode=%s", args.policy, router.tau,
         [s.url for s in router.prefills], [s.url for s in router.decodes])
-    run_loop(serve(router, args.host, args.port, args.drain_timeout), args.event_loop)
+    try:
+        run_loop(serve(router, args.host, args.port, args.drain_timeout), args.event_loop)
+    except OSError as e:  # a port in use, an address not on this host
+        sys.exit(f"eldr router: cannot listen on --host {args.host} --port {args.port}"
+                 f"{'' if args.signature_port is None else f' / --signature-port {args.signature_port}'}: {e}")
 
 
 def run_loop(coro, event_loop: str = "auto") -> None:

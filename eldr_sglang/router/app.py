@@ -1135,6 +1135,12 @@ class Router:
 
     # ---------------------------------------------------------------- app
     async def _startup(self, app: web.Application) -> None:
+        if self.signature_listen is not None:  # first: a port in use fails before anything starts
+            host, port = self.signature_listen
+            self._signature_server = await asyncio.start_server(
+                self.signature_stream, host, port, limit=self.max_body)
+            self.signature_port = self._signature_server.sockets[0].getsockname()[1]
+            logger.info("signature stream on %s:%d", host, self.signature_port)
         self.session = aiohttp.ClientSession(
             timeout=self.timeout, connector=aiohttp.TCPConnector(
                 limit=0, ttl_dns_cache=300, keepalive_timeout=WORKER_KEEPALIVE_S),
@@ -1145,12 +1151,6 @@ class Router:
         if self.health_interval and self.health_interval > 0:
             self._spawn(self._health_loop())
         self._spawn(self._housekeeping())
-        if self.signature_listen is not None:
-            host, port = self.signature_listen
-            self._signature_server = await asyncio.start_server(
-                self.signature_stream, host, port, limit=self.max_body)
-            self.signature_port = self._signature_server.sockets[0].getsockname()[1]
-            logger.info("signature stream on %s:%d", host, self.signature_port)
 
     async def _cleanup(self, app: web.Application) -> None:
         if self._signature_server is not None:
@@ -1218,6 +1218,10 @@ async def start_router(router: Router, host: str = "127.0.0.1", port: int = 0) -
                            shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()  # close the worker session and the signature stream
+        raise
     sock = site._server.sockets[0]  # type: ignore[union-attr]
     return runner, sock.getsockname()[1]
