@@ -34,8 +34,12 @@ def _request(url: str, i: int) -> str:
 def test_killing_a_decode_server_mid_load(eldr_router, pd_cluster):
     with ThreadPoolExecutor(max_workers=8) as pool:
         futures = [pool.submit(_request, eldr_router.url, i) for i in range(24)]
-        time.sleep(3.0)
-        loads = {s["url"]: s["inflight"] for s in http_json(eldr_router.url + "/eldr/status")["decode"]}
+        deadline = time.monotonic() + 60
+        while True:  # wait until a decode server holds requests (not a fixed sleep: CPUs vary)
+            time.sleep(0.5)
+            loads = {s["url"]: s["inflight"] for s in http_json(eldr_router.url + "/eldr/status")["decode"]}
+            if max(loads.values()) > 0 or time.monotonic() > deadline:
+                break
         victim = next(p for p, _ in pd_cluster.decodes if p.url == max(loads, key=loads.get))
         assert loads[victim.url] > 0, loads  # it dies with requests in flight
         victim.stop(grace=0)  # SIGTERM then SIGKILL of the whole process group
