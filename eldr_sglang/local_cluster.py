@@ -210,6 +210,35 @@ def start_server(spec: ServerSpec, log_dir: Path, name: str | None = None) -> Ma
     ).start()
 
 
+def port_clash(proc: ManagedProcess) -> bool:
+    """The server died because a port it was given got taken first (``free_port``
+    hands out ports that outgoing connections may grab before the server binds)."""
+    tail = proc.log_tail(200)
+    return not proc.alive() and ("address already in use" in tail or "EADDRINUSE" in tail)
+
+
+def start_server_ready(spec: ServerSpec, log_dir: Path, name: str, timeout: float = 420.0,
+                       progress: Callable[[str, float], None] | None = None,
+                       attempts: int = 3) -> ManagedProcess:
+    """:func:`start_server` and wait until ready; on a port clash, again with fresh ports."""
+    for attempt in range(attempts):
+        proc = start_server(spec, log_dir, name)
+        try:
+            proc.wait_ready(timeout=timeout, progress=progress)
+            return proc
+        except BaseException as e:  # Ctrl-C included: never leave the server behind
+            retry = isinstance(e, RuntimeError) and attempt + 1 < attempts and port_clash(proc)
+            proc.stop()
+            if not retry:
+                raise
+            print(f"{name}: a port was taken before the server bound it; retrying with fresh ports",
+                  file=sys.stderr, flush=True)
+            spec.port = spec.nccl_port = spec.bootstrap_port = 0
+            if spec.eldr_metrics_port:
+                spec.eldr_metrics_port = free_port()
+    raise AssertionError("unreachable")
+
+
 @dataclass
 class PDCluster:
     """1..n prefill servers + 1..m decode servers (no router)."""
@@ -248,9 +277,8 @@ def start_pd_cluster(
         for role, i, extra in roles:
             spec = ServerSpec(model_path, role, late_binding=late_binding, extra_args=extra,
                               eldr_metrics_port=free_port() if eldr_metrics else 0, env=dict(env or {}))
-            proc = start_server(spec, log_dir, f"{role}-{i}")
+            proc = start_server_ready(spec, log_dir, f"{role}-{i}", timeout, progress)
             (cluster.prefills if role == "prefill" else cluster.decodes).append((proc, spec))
-            proc.wait_ready(timeout=timeout, progress=progress)
     except BaseException:
         cluster.stop()
         raise

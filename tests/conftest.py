@@ -48,10 +48,9 @@ def single_server(fixture_model: Path):
     """One plain (non-PD) SGLang CPU server with the ELDR plugin capturing
     layers 1 and 3 (module scope: stopped before the PD servers start)."""
     spec = lc.ServerSpec(str(fixture_model), extra_args=["--eldr-layers", ",".join(map(str, TEST_ARTIFACT_LAYERS))])
-    proc = lc.start_server(spec, LOG_DIR, "single")
+    proc = lc.start_server_ready(spec, LOG_DIR, "single", progress=_progress)
     _started.append(proc)
     try:
-        proc.wait_ready(progress=_progress)
         yield proc
     finally:
         proc.stop()

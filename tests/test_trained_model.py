@@ -34,10 +34,9 @@ TIE = 0.13  # about two bf16 steps at the logit magnitudes of this model
 def trained_server(tmp_path_factory):
     trace_dir = tmp_path_factory.mktemp("trained-trace")
     spec = lc.ServerSpec(str(MODEL), extra_args=["--eldr-trace-dir", str(trace_dir), "--eldr-layers", "all"])
-    proc = lc.start_server(spec, LOG_DIR, "trained")
+    proc = lc.start_server_ready(spec, LOG_DIR, "trained", progress=_progress)
     _started.append(proc)
     try:
-        proc.wait_ready(progress=_progress)
         yield proc, trace_dir
     finally:
         proc.stop()
