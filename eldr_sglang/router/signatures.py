@@ -7,7 +7,8 @@ messages is accepted too)::
      "layers": [int] * n_sel, "counts": [[int] * E] * n_sel}
 
 ``counts`` may also be packed (``{"dtype", "shape", "data": base64}``, see
-:mod:`eldr_sglang.core.counts_codec`), as the engine plugin sends it. Only ``bootstrap_room``, ``layers`` and ``counts`` are required. The router turns
+:mod:`eldr_sglang.core.counts_codec`), as the engine plugin sends it. Only
+``bootstrap_room``, ``layers`` and ``counts`` are required. The router turns
 counts into the unit signature vector with the calibration artifact, so a new
 artifact with the same layers needs no engine restart.
 """
