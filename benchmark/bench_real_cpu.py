@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from eldr_sglang import local_cluster as lc  # noqa: E402
-from eldr_sglang.demo import DEFAULT_MODEL, DEFAULT_WORKLOAD, calibration_artifact  # noqa: E402
+from eldr_sglang.demo import DEFAULT_MODEL, DEFAULT_WORKLOAD, calibration_artifact, decode_counters  # noqa: E402
 
 POLICIES = ["round_robin", "random", "jsq", "p2c", "eldr"]
 FIGURES = ("completed", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "output_throughput")
@@ -70,12 +70,8 @@ def bench_serving(url: str, args: argparse.Namespace, out: Path) -> dict:
 
 def decode_experts(cluster: lc.PDCluster) -> tuple[float, float]:
     """(distinct experts summed over steps, steps) over all decode servers."""
-    unique = steps = 0.0
-    for _, spec in cluster.decodes:
-        m = lc.scrape_metrics(spec.eldr_metrics_port)
-        unique += m["eldr_decode_unique_experts_total"]
-        steps += m["eldr_decode_steps_total"]
-    return unique, steps
+    per_server = decode_counters(cluster).values()
+    return sum(u for u, _ in per_server), sum(s for _, s in per_server)
 
 
 def run_one(name: str, router: lc.ManagedProcess, cluster: lc.PDCluster, args, out: Path) -> dict:

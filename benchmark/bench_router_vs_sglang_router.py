@@ -40,6 +40,8 @@ import aiohttp
 import numpy as np
 import orjson
 
+from eldr_sglang.router.__main__ import run_loop  # uvloop for the stubs and the client too
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
@@ -64,15 +66,6 @@ def make_artifact(k: int, seed: int = 0):
     return CalibrationArtifact(model=ModelSpec("bench-moe", N_LAYERS, N_EXPERTS, 8),
                                variant="idf", layers=list(range(N_LAYERS)), idf=idf,
                                centroids=cents)
-
-
-def run_loop(coro):
-    """uvloop for the stubs and the client (the same for every router measured)."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
 
 
 def timeit(f, n: int) -> tuple[float, float]:

@@ -221,22 +221,22 @@ def start_server_ready(spec: ServerSpec, log_dir: Path, name: str, timeout: floa
                        progress: Callable[[str, float], None] | None = None,
                        attempts: int = 3) -> ManagedProcess:
     """:func:`start_server` and wait until ready; on a port clash, again with fresh ports."""
-    for attempt in range(attempts):
+    for attempt in range(1, attempts + 1):
         proc = start_server(spec, log_dir, name)
         try:
             proc.wait_ready(timeout=timeout, progress=progress)
             return proc
         except BaseException as e:  # Ctrl-C included: never leave the server behind
-            retry = isinstance(e, RuntimeError) and attempt + 1 < attempts and port_clash(proc)
+            retry = isinstance(e, RuntimeError) and attempt < attempts and port_clash(proc)
             proc.stop()
             if not retry:
                 raise
-            print(f"{name}: a port was taken before the server bound it; retrying with fresh ports",
-                  file=sys.stderr, flush=True)
-            spec.port = spec.nccl_port = spec.bootstrap_port = 0
-            if spec.eldr_metrics_port:
-                spec.eldr_metrics_port = free_port()
-    raise AssertionError("unreachable")
+        print(f"{name}: a port was taken before the server bound it; retrying with fresh ports",
+              file=sys.stderr, flush=True)
+        spec.port = spec.nccl_port = spec.bootstrap_port = 0
+        if spec.eldr_metrics_port:
+            spec.eldr_metrics_port = free_port()
+    raise ValueError(f"attempts must be >= 1, got {attempts}")
 
 
 @dataclass

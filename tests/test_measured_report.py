@@ -1,17 +1,12 @@
 """The MEASURED sections of benchmark/RESULTS.md come from the committed traces and results."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from script_loader import ROOT, load_script  # noqa: E402
 
 
 def load_measured():
-    spec = importlib.util.spec_from_file_location("eldr_measured", ROOT / "benchmark" / "measured.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmark/measured.py", "eldr_measured")
 
 
 def test_trace_section_is_computed_from_the_traces(tmp_path):

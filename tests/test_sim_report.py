@@ -1,19 +1,14 @@
 """benchmark/report.py (simulated evaluation report) on its tiny configuration."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from script_loader import load_script  # noqa: E402
 
 
 def load_report():
-    spec = importlib.util.spec_from_file_location("eldr_report", ROOT / "benchmark" / "report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmark/report.py", "eldr_report")
 
 
 def test_quick_report_writes_results_and_plots(tmp_path):

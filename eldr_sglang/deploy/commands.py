@@ -124,10 +124,9 @@ def build_launches(cluster: Cluster) -> list[Launch]:
             argv += role.extra_args
             env = ((VISIBLE_DEVICES[cluster.vendor], ",".join(map(str, gpus))), *role.env)
             launches.append(Launch(name, node_name, node.host, gpus, env, tuple(argv), port))
-    host = router_host
-    _claim(ports, host, r.port, "router.port", "router")
+    _claim(ports, router_host, r.port, "router.port", "router")
     if r.signature_port is not None:
-        _claim(ports, host, r.signature_port, "router.signature_port", "router")
+        _claim(ports, router_host, r.signature_port, "router.signature_port", "router")
     argv = [cluster.python, "-m", "eldr_sglang.router"]
     for url, boot in prefill_targets:
         argv += ["--prefill", url, str(boot)]
@@ -141,7 +140,7 @@ def build_launches(cluster: Cluster) -> list[Launch]:
     if r.signature_port is not None:
         argv += ["--signature-port", str(r.signature_port)]
     argv += list(r.extra_args)
-    launches.append(Launch("router", r.node, host, (), (), tuple(argv), r.port))
+    launches.append(Launch("router", r.node, router_host, (), (), tuple(argv), r.port))
     return launches
 
 

@@ -43,7 +43,7 @@ class SignaturePublisher:
         self._path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         self._conn: http.client.HTTPConnection | None = None
         self._sock: socket.socket | None = None
-        self._poll = select.poll()
+        self._poll = None  # select.poll() on _sock (set with it): sees the router closing it
         self.connections = 0  # connections opened (stays 1 while the router keeps it open)
         self.timeout = timeout
         self.max_batch = max_batch

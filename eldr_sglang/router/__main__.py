@@ -226,8 +226,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                  f"{'' if args.signature_port is None else f' / --signature-port {args.signature_port}'}: {e}")
 
 
-def run_loop(coro, event_loop: str = "auto") -> None:
-    """Run on uvloop (faster sockets and callbacks) when installed, else asyncio's loop."""
+def run_loop(coro, event_loop: str = "auto"):
+    """Run ``coro`` to completion on uvloop (faster sockets and callbacks) when
+    installed, else on asyncio's loop; returns its result."""
     if event_loop != "asyncio":
         try:
             import uvloop
@@ -236,7 +237,7 @@ def run_loop(coro, event_loop: str = "auto") -> None:
                 sys.exit("eldr router: --event-loop uvloop, but uvloop is not installed")
         else:
             return uvloop.run(coro)
-    asyncio.run(coro)
+    return asyncio.run(coro)
 
 
 if __name__ == "__main__":

@@ -790,6 +790,12 @@ class Router:
     async def h_chat(self, request: web.Request) -> web.StreamResponse:
         return await self.dispatch(request, "v1/chat/completions")
 
+    def _invalid_signatures(self, n: int = 1) -> None:
+        """Count ``n`` signature messages refused (bad JSON, bad fields, too long)."""
+        if n:
+            self.metrics.signatures.labels("invalid").inc(n)
+            self._count("signature_invalid", n)
+
     def accept_signatures(self, data: Any) -> tuple[int, int, list[str]]:
         """Validate and deliver one message or a list; (delivered, buffered, errors)."""
         msgs = data if isinstance(data, list) else [data]
@@ -800,7 +806,6 @@ class Router:
                 parse_message(m)
             except ValueError as e:
                 errors.append(str(e))
-                self.metrics.signatures.labels("invalid").inc()
                 continue
             if self.board.post(m):
                 delivered += 1
@@ -809,14 +814,14 @@ class Router:
                 buffered += 1
                 self.metrics.signatures.labels("buffered").inc()
         self._count("signature_messages", delivered + buffered)
-        self._count("signature_invalid", len(errors))
+        self._invalid_signatures(len(errors))
         return delivered, buffered, errors
 
     async def h_signature(self, request: web.Request) -> web.Response:
         try:
             data = orjson.loads(await request.read())
         except orjson.JSONDecodeError as e:
-            self.metrics.signatures.labels("invalid").inc()
+            self._invalid_signatures()
             return error_response(400, f"invalid JSON body: {e}")
         delivered, buffered, errors = self.accept_signatures(data)
         out = {"accepted": delivered + buffered, "delivered": delivered,
@@ -838,8 +843,7 @@ class Router:
                 try:
                     line = await reader.readline()
                 except ValueError:  # longer than the limit
-                    self.metrics.signatures.labels("invalid").inc()
-                    self._count("signature_invalid")
+                    self._invalid_signatures()
                     logger.warning("signature stream from %s: line over %d bytes; closing", peer, self.max_body)
                     break
                 if not line:
@@ -849,8 +853,7 @@ class Router:
                 try:
                     data = orjson.loads(line)
                 except orjson.JSONDecodeError as e:
-                    self.metrics.signatures.labels("invalid").inc()
-                    self._count("signature_invalid")
+                    self._invalid_signatures()
                     logger.warning("signature stream from %s: invalid JSON: %s", peer, e)
                     continue
                 errors = self.accept_signatures(data)[2]
