@@ -6,7 +6,8 @@
 1. decision time: ``EldrPolicy.choose()`` / ``explain()`` at K = 24 centroids of
    dim 6144 (24 layers x 256 experts), 24 decode servers; signature encode time;
 2. router-added latency: p50/p99 of sequential requests (concurrency 1) through
-   each router minus the same figure sent straight to one decode stub;
+   each router minus the same figure without a router (``direct``: the client
+   itself posts prefill and decode at once, with the bootstrap fields);
 3. max sustained throughput: closed loop, ``--load-concurrency`` clients for
    ``--duration`` s; the router's RSS is sampled during the run (memory must stay
    flat) and, for the ELDR router, its signature board size afterwards.
@@ -18,6 +19,14 @@ count message per request, counts packed as the engine plugin sends them),
 JSON lines on the router's ``--signature-port``: the engine's ``--eldr-publish tcp://``), ``eldr-rr`` (ELDR router, round_robin: no signature
 wait), ``sglang-router`` (``python -m sglang_router.launch_router
 --pd-disaggregation ... --policy round_robin``: posts prefill and decode at once).
+The stubs keep SGLang's PD dependency (``tests/stub_worker.py: KvHandoff``): a
+decode stub answers only after the prefill stub finished the same bootstrap room,
+and the prefill stub only after a decode stub took it, so a router that posts both
+at once (sglang-router) and one that posts decode after the signature (ELDR) both
+pay the prefill-then-decode order the workers impose; what differs is the router.
+``--no-kv-handoff`` gives stubs that answer at once (decode never waits for a
+prefill; baseline: one decode stub alone): there, late binding's serial order
+counts as router latency in full.
 All processes share the machine's cores: on a 2-core machine the stubs and the
 Python client are part of the bottleneck for every router alike.
 """
@@ -26,15 +35,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from pathlib import Path
+from typing import Optional
 
 import aiohttp
 import numpy as np
@@ -47,6 +60,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 N_LAYERS, N_EXPERTS, K_DECISION = 24, 256, 24
+JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 def free_port() -> int:
@@ -115,21 +129,25 @@ def serve_stubs(args) -> None:
     """Child mode: 1 prefill + N decode stubs in one event loop; prints their URLs."""
     import logging
 
-    from stub_worker import StubWorker
+    from stub_worker import KvHandoff, StubWorker
+
+    from eldr_sglang.core.counts_codec import pack_counts
 
     # sglang-router first probes workers with gRPC (HTTP/2 preface): aiohttp logs a
     # 400 "Pause on PRI/Upgrade" per probe, harmless, then it falls back to HTTP
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
 
     async def run() -> None:
+        kv = None if args.no_kv_handoff else KvHandoff()
         fixed = np.random.default_rng(2).poisson(3.0, (N_LAYERS, N_EXPERTS))
-        if args.list_counts:
-            fixed = fixed.tolist()
+        # the engine's cost of packing is measured by bench_engine_overhead.py; here the
+        # stub sends one prepared message, as fast as a worker can
+        fixed = fixed.tolist() if args.list_counts else pack_counts(fixed)
         prefill = StubWorker("prefill", layers=list(range(N_LAYERS)), num_experts=N_EXPERTS,
                              signature_url=args.signature_url, packed_counts=not args.list_counts,
-                             send_signature=bool(args.signature_url), stream_chunks=1)
+                             send_signature=bool(args.signature_url), stream_chunks=1, kv=kv)
         prefill.counts_fn = lambda text: fixed
-        decodes = [StubWorker("decode", name=f"d{i}", stream_chunks=1) for i in range(args.decodes)]
+        decodes = [StubWorker("decode", name=f"d{i}", stream_chunks=1, kv=kv) for i in range(args.decodes)]
         urls = {"prefill": await prefill.start(), "decode": [await d.start() for d in decodes]}
         for w in [prefill] + decodes:  # keep memory flat over long runs
             w.requests = _Discard()
@@ -144,9 +162,11 @@ class _Discard(list):
         pass
 
 
-def start_stubs(decodes: int, signature_url: str = "",
-                list_counts: bool = False) -> tuple[subprocess.Popen, dict]:
+def start_stubs(decodes: int, signature_url: str = "", list_counts: bool = False,
+                kv_handoff: bool = True) -> tuple[subprocess.Popen, dict]:
     cmd = [sys.executable, __file__, "--serve-stubs", "--decodes", str(decodes)]
+    if not kv_handoff:
+        cmd += ["--no-kv-handoff"]
     if signature_url:
         cmd += ["--signature-url", signature_url]
     if list_counts:
@@ -193,20 +213,49 @@ async def wait_healthy(url: str, timeout: float, proc: subprocess.Popen) -> None
 
 
 # ---------------------------------------------------------------- load
-async def sequential(http, url: str, n: int) -> np.ndarray:
+def router_sender(http, url: str):
+    """``send(body) -> HTTP status`` through a router (or straight to one stub)."""
+    async def send(body: dict) -> int:
+        async with http.post(url, data=orjson.dumps(body), headers=JSON_HEADERS) as r:
+            await r.read()
+            return r.status
+    return send
+
+
+def pd_sender(http, urls: dict):
+    """``send(body)`` as a router of zero cost would: the client itself adds the
+    bootstrap fields and posts prefill and decode (round robin) at once, as mini_lb."""
+    gens = [f"{u}/generate" for u in urls["decode"]]
+    prefill = f"{urls['prefill']}/generate"
+    host = urllib.parse.urlsplit(urls["prefill"]).hostname
+    rr = itertools.count()
+
+    async def post(url: str, data: bytes) -> int:
+        async with http.post(url, data=data, headers=JSON_HEADERS) as r:
+            await r.read()
+            return r.status
+
+    async def send(body: dict) -> int:
+        data = orjson.dumps({**body, "bootstrap_host": host, "bootstrap_port": 8998,
+                             "bootstrap_room": random.getrandbits(63)})
+        p, d = await asyncio.gather(post(prefill, data), post(gens[next(rr) % len(gens)], data))
+        return d if p == 200 else p
+    return send
+
+
+async def sequential(send, n: int) -> np.ndarray:
     lat = np.empty(n)
     for i in range(n):
-        body = orjson.dumps({"text": f"topic:{i % 4} bench {i}", "sampling_params": {"max_new_tokens": 1}})
+        body = {"text": f"topic:{i % 4} bench {i}", "sampling_params": {"max_new_tokens": 1}}
         t0 = time.perf_counter()
-        async with http.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
-            await r.read()
-            if r.status != 200:
-                raise RuntimeError(f"{url}: HTTP {r.status}")
+        status = await send(body)
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}")
         lat[i] = time.perf_counter() - t0
     return lat
 
 
-async def closed_loop(http, url: str, conc: int, duration: float, pid: int) -> dict:
+async def closed_loop(send, conc: int, duration: float, pid: int) -> dict:
     done = errors = 0
     stop_at = time.perf_counter() + duration
     rss = []
@@ -215,15 +264,13 @@ async def closed_loop(http, url: str, conc: int, duration: float, pid: int) -> d
         nonlocal done, errors
         i = 0
         while time.perf_counter() < stop_at:
-            body = orjson.dumps({"text": f"topic:{(w + i) % 4} load {i}"})
+            body = {"text": f"topic:{(w + i) % 4} load {i}"}
             i += 1
             try:
-                async with http.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
-                    await r.read()
-                    if r.status == 200:
-                        done += 1
-                    else:
-                        errors += 1
+                if await send(body) == 200:
+                    done += 1
+                else:
+                    errors += 1
             except aiohttp.ClientError:
                 errors += 1
 
@@ -238,13 +285,15 @@ async def closed_loop(http, url: str, conc: int, duration: float, pid: int) -> d
     return {"rps": done / el, "ok": done, "errors": errors, "rss_mb": [round(x, 1) for x in rss]}
 
 
-async def measure(name: str, url: str, args, pid: int) -> dict:
+async def measure(name: str, url: str, args, pid: int, urls: Optional[dict] = None) -> dict:
+    """Latency and throughput through ``url``, or with ``urls`` (the stubs) as the
+    zero-cost PD client (:func:`pd_sender`)."""
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as http:
-        gen = f"{url}/generate"
-        await sequential(http, gen, args.warmup)
-        lat = await sequential(http, gen, args.requests)
-        load = await closed_loop(http, gen, args.load_concurrency, args.duration, pid)
+        send = pd_sender(http, urls) if urls else router_sender(http, f"{url}/generate")
+        await sequential(send, args.warmup)
+        lat = await sequential(send, args.requests)
+        load = await closed_loop(send, args.load_concurrency, args.duration, pid)
         extra = {}
         if name.startswith("eldr"):
             async with http.get(f"{url}/eldr/status") as r:
@@ -279,10 +328,13 @@ async def run_router(name: str, args, artifact_path: str) -> dict:
     sig_port = free_port()
     sig_url = {"eldr": f"{url}/eldr/signature", "eldr-list": f"{url}/eldr/signature",
                "eldr-tcp": f"tcp://127.0.0.1:{sig_port}"}.get(name, "")
-    stubs, urls = start_stubs(args.decodes, sig_url, list_counts=name == "eldr-list")
+    stubs, urls = start_stubs(args.decodes, sig_url, list_counts=name == "eldr-list",
+                              kv_handoff=not args.no_kv_handoff)
     try:
-        if name == "direct":
-            return await measure(name, urls["decode"][0], args, stubs.pid)
+        if name == "direct":  # the baseline: no router
+            if args.no_kv_handoff:
+                return await measure(name, urls["decode"][0], args, stubs.pid)
+            return await measure(name, "", args, stubs.pid, urls=urls)
         if name.startswith("eldr"):
             cmd = [sys.executable, "-m", "eldr_sglang.router", "--host", "127.0.0.1",
                    "--port", str(port), "--prefill", urls["prefill"], "8998",
@@ -342,6 +394,9 @@ def main() -> None:
     ap.add_argument("--serve-stubs", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--signature-url", help=argparse.SUPPRESS)
     ap.add_argument("--list-counts", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--no-kv-handoff", action="store_true",
+                    help="stubs answer at once, decode never waits for its prefill (not SGLang's "
+                         "protocol); the baseline is then one decode stub alone")
     args = ap.parse_args()
     if args.serve_stubs:
         return serve_stubs(args)
@@ -370,9 +425,11 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - report and continue
                 print(f"  {name} failed: {e}")
     base = rows.get("direct")
-    print(f"\n{args.requests} sequential requests (added = router - direct), then "
+    base_what = "one decode stub" if args.no_kv_handoff else "client posting prefill+decode itself"
+    print(f"\n{args.requests} sequential requests (added = router - direct: {base_what}), then "
           f"{args.duration:.0f}s closed loop at concurrency {args.load_concurrency}; "
-          f"{args.decodes} decode stubs + 1 prefill stub in one process")
+          f"{args.decodes} decode stubs + 1 prefill stub in one process, "
+          f"KV handoff {'off' if args.no_kv_handoff else 'on (decode waits for its prefill)'}")
     print(f"  {'path':15s} {'p50 ms':>7s} {'p99 ms':>7s} {'+p50 ms':>8s} {'+p99 ms':>8s} "
           f"{'req/s':>7s} {'errors':>6s}  RSS MB (start -> end)")
     for name, r in rows.items():

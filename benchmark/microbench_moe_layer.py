@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--no-graph", action="store_true",
+                    help="cuda: time eager calls by wall clock (launch overhead included) "
+                         "instead of CUDA graph replays")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the measurements here")
     return ap
@@ -63,23 +66,31 @@ def routing(batch: int, unique: int, top_k: int, experts: int, gen):
     return ids, weights
 
 
-def moe_layer(x, ids, weights, w13, w2, buf13=None, buf2=None):
-    """Gather the distinct experts' weights, batched SwiGLU MLPs over token groups, combine."""
+def dispatch_plan(ids, batch: int) -> dict:
+    """Token groups per distinct expert for ``ids`` [batch, top_k] (host-side sizes)."""
     import torch
 
-    batch, top_k = ids.shape
+    top_k = ids.shape[1]
     flat_e = ids.reshape(-1)
-    flat_tok = torch.arange(batch, device=x.device).repeat_interleave(top_k)
+    flat_tok = torch.arange(batch, device=ids.device).repeat_interleave(top_k)
     uniq, inv = torch.unique(flat_e, return_inverse=True)
     order = torch.argsort(inv, stable=True)
     group = inv[order]
     counts = torch.bincount(group, minlength=uniq.numel())
     starts = torch.cumsum(counts, 0) - counts
-    pos = torch.arange(group.numel(), device=x.device) - starts[group]
-    cap = int(counts.max())
-    disp = x.new_zeros(uniq.numel(), cap, x.shape[1])
-    disp[group, pos] = x[flat_tok[order]]
-    n = uniq.numel()
+    pos = torch.arange(group.numel(), device=ids.device) - starts[group]
+    return {"uniq": uniq, "order": order, "group": group, "pos": pos, "tok": flat_tok[order],
+            "n": uniq.numel(), "cap": int(counts.max())}
+
+
+def moe_compute(x, plan: dict, weights, w13, w2, buf13=None, buf2=None):
+    """Gather the distinct experts' weights, batched SwiGLU MLPs over token groups, combine."""
+    import torch
+
+    group, pos, n = plan["group"], plan["pos"], plan["n"]
+    disp = x.new_zeros(n, plan["cap"], x.shape[1])
+    disp[group, pos] = x[plan["tok"]]
+    uniq = plan["uniq"]
     # gather: reads the distinct experts' weights only (into preallocated buffers when given)
     g13 = w13[uniq] if buf13 is None else torch.index_select(w13, 0, uniq, out=buf13[:n])
     g2 = w2[uniq] if buf2 is None else torch.index_select(w2, 0, uniq, out=buf2[:n])
@@ -87,8 +98,40 @@ def moe_layer(x, ids, weights, w13, w2, buf13=None, buf2=None):
     g, u = gate_up.chunk(2, dim=-1)
     out = torch.bmm(torch.nn.functional.silu(g) * u, g2.transpose(1, 2))
     y = x.new_zeros(x.shape)
-    y.index_add_(0, flat_tok[order], out[group, pos] * weights.reshape(-1)[order, None].to(x.dtype))
+    y.index_add_(0, plan["tok"], out[group, pos] * weights.reshape(-1)[plan["order"], None].to(x.dtype))
     return y
+
+
+def moe_layer(x, ids, weights, w13, w2, buf13=None, buf2=None):
+    """One decode MoE layer: dispatch plan + compute (what the CPU run times)."""
+    return moe_compute(x, dispatch_plan(ids, x.shape[0]), weights, w13, w2, buf13, buf2)
+
+
+def time_graph(x, plan, weights, w13, w2, buf13, buf2, warmup: int, repeats: int) -> list[float]:
+    """CUDA: capture the layer's kernels (dispatch planned beforehand, as SGLang's
+    decode runs from CUDA graphs) and time each replay with CUDA events, in s."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(max(warmup, 1)):
+            moe_compute(x, plan, weights, w13, w2, buf13, buf2)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe_compute(x, plan, weights, w13, w2, buf13, buf2)
+    for _ in range(warmup):
+        graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -105,6 +148,7 @@ def measure(args: argparse.Namespace) -> dict:
     w2 = (torch.randn(args.experts, args.hidden, args.ffn, generator=gen) * 0.02).to(device, dtype)
     buf13, buf2 = torch.empty_like(w13), torch.empty_like(w2)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    graph = device.type == "cuda" and not args.no_graph
     rows = []
     for batch in args.batches:
         x = torch.randn(batch, args.hidden, generator=gen).to(device, dtype)
@@ -112,8 +156,12 @@ def measure(args: argparse.Namespace) -> dict:
             ids, weights = routing(batch, unique, args.top_k, args.experts, gen)
             ids, weights = ids.to(device), weights.to(device)
             times = []
+            if graph:
+                with torch.inference_mode():
+                    plan = dispatch_plan(ids, batch)
+                    times = time_graph(x, plan, weights, w13, w2, buf13, buf2, args.warmup, args.repeats)
             with torch.inference_mode():
-                for i in range(args.warmup + args.repeats):
+                for i in range(0 if graph else args.warmup + args.repeats):
                     sync()
                     t0 = time.perf_counter()
                     moe_layer(x, ids, weights, w13, w2, buf13, buf2)
@@ -131,13 +179,16 @@ def measure(args: argparse.Namespace) -> dict:
         "hidden": args.hidden, "ffn": args.ffn, "experts": args.experts, "top_k": args.top_k,
         "bytes_per_expert": 3 * args.hidden * args.ffn * torch.tensor([], dtype=dtype).element_size(),
         "torch": torch.__version__,
+        "timing": ("CUDA graph replay, CUDA events (dispatch planned beforehand)" if graph
+                   else "wall clock per call (dispatch included)"),
         "rows": rows,
     }
 
 
 def table(result: dict) -> str:
     lines = [f"MoE layer on {result['device']} ({result['device_name']}, {result['dtype']}, "
-             f"hidden {result['hidden']}, ffn {result['ffn']}, {result['experts']} experts, top-{result['top_k']})",
+             f"hidden {result['hidden']}, ffn {result['ffn']}, {result['experts']} experts, top-{result['top_k']}; "
+             f"{result.get('timing', 'wall clock per call')})",
              f"{'batch':>6} {'unique':>7} {'median ms':>10} {'x vs min unique':>16}"]
     for batch in sorted({r["batch"] for r in result["rows"]}):
         rows = [r for r in result["rows"] if r["batch"] == batch]

@@ -21,14 +21,16 @@ process -- the CLI default), ``hang`` (never answer until aborted),
 ``signature_url`` (``http://.../eldr/signature`` or ``tcp://host:port``),
 ``signature_delay`` (slow publish), ``packed_counts=False`` / ``--list-counts``
 (counts as JSON rows instead of the engine's packed base64 form), ``health_status`` (what ``/health`` answers),
-``stream_chunks`` / ``stream_delay`` (slow SSE stream). It records every request
+``stream_chunks`` / ``stream_delay`` (slow SSE stream), ``kv`` (a :class:`KvHandoff`
+shared by in-process prefill and decode stubs: SGLang's PD dependency, see there). It records every request
 body (``requests``), every aborted rid (``aborts``) and signature post (``signatures``).
 
 It also answers sglang-router (0.3.2, PD mode): ``/health``, ``/get_server_info``,
 ``/get_model_info``, ``/v1/models``, and takes prefill/decode posts in any order.
 
 Prefill signatures: ``counts_fn(text) -> [n_sel][E]`` (default :func:`topic_counts`:
-a prompt containing ``topic:K`` activates experts of topic K on every layer).
+a prompt containing ``topic:K`` activates experts of topic K on every layer), or
+counts already packed (:func:`~eldr_sglang.core.counts_codec.pack_counts`).
 """
 
 from __future__ import annotations
@@ -81,6 +83,46 @@ class ToyArtifact:
         return v / max(float(np.linalg.norm(v)), 1e-12)
 
 
+class KvHandoff:
+    """SGLang's PD dependency between in-process stubs, per ``bootstrap_room``.
+
+    As in SGLang, a decode server answers only after the prefill server finished the
+    room and sent its KV cache, and the prefill server answers only once a decode
+    server took the KV cache (late binding: after the router chose it). A side that
+    waits longer than ``timeout`` s answers HTTP 500, as SGLang aborts a transfer.
+    Entries are removed once both sides met (memory stays flat)."""
+
+    def __init__(self, timeout: float = 10.0) -> None:
+        self.timeout = timeout
+        self._rooms: dict[Any, tuple[asyncio.Event, asyncio.Event]] = {}  # (prefilled, taken)
+
+    def _entry(self, room: Any) -> tuple[asyncio.Event, asyncio.Event]:
+        e = self._rooms.get(room)
+        if e is None:
+            e = self._rooms[room] = (asyncio.Event(), asyncio.Event())
+        return e
+
+    async def meet(self, role: str, rooms: Sequence[Any]) -> bool:
+        """Prefill: mark the rooms prefilled, wait until taken. Decode: the reverse."""
+        entries = [self._entry(r) for r in rooms]
+        mine, theirs = (0, 1) if role == "prefill" else (1, 0)
+        for e in entries:
+            e[mine].set()
+        try:
+            for e in entries:
+                await asyncio.wait_for(e[theirs].wait(), self.timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            for r, e in zip(rooms, entries):
+                if e[0].is_set() and e[1].is_set() or not e[theirs].is_set():
+                    self._rooms.pop(r, None)
+
+    def __len__(self) -> int:
+        return len(self._rooms)
+
+
 def _items(body: dict) -> tuple[list[str], bool]:
     """Prompt text per item (for signatures) and whether the request is a batch."""
     text = body.get("text", body.get("prompt"))
@@ -126,6 +168,7 @@ class StubWorker:
         stream_delay: float = 0.0,
         seed: int = 0,
         model: str = "stub-model",
+        kv: Optional[KvHandoff] = None,
     ) -> None:
         assert role in ("prefill", "decode")
         self.role, self.name = role, name or role
@@ -145,6 +188,7 @@ class StubWorker:
         self.stream_chunks, self.stream_delay = stream_chunks, stream_delay
         self.rng = random.Random(seed)
         self.model = model
+        self.kv = kv
         self.requests: list[dict] = []
         self.aborts: list[str] = []
         self.signatures: list[Any] = []
@@ -224,6 +268,8 @@ class StubWorker:
 
     def _counts(self, text: str):
         counts = self.counts_fn(text)
+        if isinstance(counts, dict):  # already in the packed form
+            return counts
         return pack_counts(counts) if self.packed_counts else counts
 
     async def _post_signature(self, msgs: list[dict]) -> None:
@@ -235,6 +281,17 @@ class StubWorker:
             self._sender = asyncio.get_running_loop().create_task(self._send_outbox())
             self._tasks.add(self._sender)
             self._sender.add_done_callback(self._tasks.discard)
+
+    def _publish_now(self, msgs: list[dict]) -> bool:
+        """Write to an open TCP signature stream at once, as the engine's publisher
+        thread does at prefill completion (no task hop); False if it cannot."""
+        w = self._sig_writer
+        if self.signature_delay or self._outbox or w is None or w.is_closing() \
+                or (self._sender is not None and not self._sender.done()):
+            return False
+        self.signatures.append(msgs)
+        w.write(b"".join(orjson.dumps(m) + b"\n" for m in msgs))
+        return True
 
     async def _send_outbox(self) -> None:
         """Like the engine's publisher: one send carries every message queued meanwhile,
@@ -286,15 +343,19 @@ class StubWorker:
             msgs = [{"bootstrap_room": rooms[i], "rid": rids[i], "prompt_tokens": len(texts[i].split()),
                      "cached_tokens": 0, "layers": self.layers, "counts": self._counts(texts[i])}
                     for i in range(n)]
-            t = asyncio.get_running_loop().create_task(self._post_signature(msgs))
-            self._tasks.add(t)
-            t.add_done_callback(self._tasks.discard)
+            if not self._publish_now(msgs):
+                t = asyncio.get_running_loop().create_task(self._post_signature(msgs))
+                self._tasks.add(t)
+                t.add_done_callback(self._tasks.discard)
         if self.served <= self.fail_first or (self.fail_rate and self.rng.random() < self.fail_rate):
             message = f"stub {self.name} failure"
             if self.fail_body == "text":
                 return web.Response(text=message, status=self.fail_status)
             body = {"detail": message} if self.fail_body == "detail" else {"error": {"message": message}}
             return web.json_response(body, status=self.fail_status)
+        if self.kv is not None and not await self.kv.meet(self.role, rooms):
+            return web.json_response({"error": {"message": f"stub {self.name}: KV transfer timed out"}},
+                                     status=500)
         ev = asyncio.Event()
         for r in rids:
             self._abort_events[r] = ev

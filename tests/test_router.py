@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from stub_worker import StubWorker, ToyArtifact, topic_counts  # noqa: E402
+from stub_worker import KvHandoff, StubWorker, ToyArtifact, topic_counts  # noqa: E402
 
 from eldr_sglang.core.policies import RouteRequest  # noqa: E402
 from eldr_sglang.router.app import Router, start_router  # noqa: E402
@@ -96,6 +96,50 @@ def test_late_binding_flow_routes_by_signature():
                 text = await r.text()
             assert 'eldr_router_requests_total{decode="' in text
             assert "eldr_router_signature_wait_seconds_count 3.0" in text
+    run(main())
+
+
+def test_kv_handoff_stubs_keep_sglang_pd_order():
+    """Stub fidelity: a decode answers only after its prefill, a prefill only once a
+    decode took its room; a side left alone times out with 500; no entry is kept."""
+    async def main():
+        kv = KvHandoff(timeout=0.5)
+        p, d = StubWorker("prefill", kv=kv, send_signature=False), StubWorker("decode", kv=kv)
+        purl, durl = await p.start(), await d.start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                body = {"text": "x", "bootstrap_room": 7}
+                dec = asyncio.ensure_future(post(http, f"{durl}/generate", body))
+                await asyncio.sleep(0.2)
+                assert not dec.done()  # waits for the prefill of room 7
+                (pst, _), (dst, raw) = await asyncio.gather(post(http, f"{purl}/generate", body), dec)
+                assert pst == dst == 200 and orjson.loads(raw)["meta_info"]["bootstrap_room"] == 7
+                assert len(kv) == 0
+                t0 = time.monotonic()
+                st, raw = await post(http, f"{purl}/generate", {"text": "x", "bootstrap_room": 8})
+                assert st == 500 and b"KV transfer" in raw and time.monotonic() - t0 >= 0.45
+                assert len(kv) == 0
+        finally:
+            await p.stop()
+            await d.stop()
+    run(main())
+
+
+def test_late_binding_under_the_pd_dependency():
+    """ELDR's order (prefill, signature, then decode) and a blind policy's (both at
+    once) both complete against workers that keep SGLang's PD dependency."""
+    async def main():
+        for policy in ("eldr", "round_robin"):
+            kv = KvHandoff(timeout=5)
+            async with cluster(policy=policy, prefill_kw={"kv": kv}, decode_kw={"kv": kv}) as (
+                    router, url, prefill, decodes, http):
+                outs = await asyncio.gather(*(post(http, f"{url}/generate", {"text": f"topic:{i % 4} q"})
+                                              for i in range(16)))
+                assert all(st == 200 for st, _ in outs), outs
+                if policy == "eldr":
+                    assert [orjson.loads(raw)["meta_info"]["server"] for _, raw in outs[:4]] == \
+                        ["d0", "d1", "d2", "d3"]
+                assert len(kv) == 0 and router.counters["fallbacks"] == 0
     run(main())
 
 

@@ -71,3 +71,28 @@ def test_unknown_parameter_set_lists_valid_names():
         get_params("nope")
     for name in PARAM_SETS:
         assert name in str(err.value)
+
+
+def test_microbenchmark_layer_computes_the_moe_output():
+    """The measured layer (gathered experts, batched SwiGLU, combine) equals a plain
+    per-token loop over each token's top-k experts, and hits exactly ``unique`` experts."""
+    import torch
+
+    from script_loader import load_script
+
+    mb = load_script("benchmark/microbench_moe_layer.py", "microbench_moe_layer")
+    gen = torch.Generator().manual_seed(0)
+    experts, top_k, hidden, ffn, batch = 12, 3, 16, 8, 5
+    w13 = torch.randn(experts, 2 * ffn, hidden, generator=gen)
+    w2 = torch.randn(experts, hidden, ffn, generator=gen)
+    x = torch.randn(batch, hidden, generator=gen)
+    ids, weights = mb.routing(batch, 6, top_k, experts, gen)
+    assert ids.unique().numel() == 6
+    got = mb.moe_layer(x, ids, weights, w13, w2, torch.empty_like(w13), torch.empty_like(w2))
+    want = torch.zeros_like(x)
+    for t in range(batch):
+        for j in range(top_k):
+            e = int(ids[t, j])
+            g, u = (w13[e] @ x[t]).chunk(2)
+            want[t] += weights[t, j] * (w2[e] @ (torch.nn.functional.silu(g) * u))
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)

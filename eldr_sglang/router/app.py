@@ -38,10 +38,10 @@ import asyncio
 import hmac
 import ipaddress
 import logging
+import os
 import random
 import time
 import urllib.parse
-import uuid
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from itertools import chain
@@ -278,7 +278,7 @@ class Router:
         self.health_cooldown = health_cooldown
         self.timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=connect_timeout)
         self.board = SignatureBoard(ttl=signature_ttl, max_buffered=signature_buffer)
-        self.decisions: deque[dict] = deque(maxlen=256)  # recent routing decisions, for /eldr/decisions
+        self.decisions: deque[tuple] = deque(maxlen=256)  # recent routing decisions, for /eldr/decisions
         self.metrics = RouterMetrics()
         self.counters: Counter[str] = Counter()
         self.session: Optional[aiohttp.ClientSession] = None
@@ -685,24 +685,31 @@ class Router:
     def _record(self, rids: list[str], rooms: list[int], label: Optional[str],
                 sig: Optional[np.ndarray], waiters: list[asyncio.Future], d: Server,
                 dec: Optional[Decision] = None) -> None:
-        """Keep the decision and the signature messages it used (``GET /eldr/decisions``)."""
+        """Keep the decision and the signature messages it used (``GET /eldr/decisions``).
+
+        Stored as taken (cheap on the request path), rendered when read."""
         messages = [w.result() for w in waiters if w.done() and not w.cancelled()]
-        decision = {"time": time.time(), "rids": rids, "rooms": rooms, "label": label,
-                    "policy": self.policy_name, "decode": d.url,
-                    "loads": {x.url: x.inflight for x in self.decodes}, "messages": messages}
+        self.decisions.append((time.time(), rids, rooms, label, self.policy_name, d.url,
+                               [(x.url, x.inflight) for x in self.decodes], messages, dec, sig,
+                               self.encoder))
+
+    def _render_decision(self, rec: tuple) -> dict:
+        when, rids, rooms, label, policy, url, loads, messages, dec, sig, encoder = rec
+        decision = {"time": when, "rids": rids, "rooms": rooms, "label": label,
+                    "policy": policy, "decode": url, "loads": dict(loads), "messages": messages}
         if dec is not None:
             decision["reason"] = dec.reason
             if dec.band is not None:
-                decision["band"] = [self.decodes[i].url for i in dec.band]
+                decision["band"] = [loads[i][0] for i in dec.band]
                 decision["best_similarity"] = dec.best_similarity
         if dec is not None and dec.centroid_similarities is not None:
             decision["similarities"] = dec.centroid_similarities.tolist()
-        elif sig is not None and self.encoder is not None:
+        elif sig is not None and encoder is not None:
             try:
-                decision["similarities"] = [float(v) for v in self.encoder.centroids @ sig]
+                decision["similarities"] = [float(v) for v in encoder.centroids @ sig]
             except ValueError:  # calibration reloaded mid-request with another dimension
                 pass
-        self.decisions.append(decision)
+        return decision
 
     async def _relay(self, request: web.Request, resp: aiohttp.ClientResponse, d: Server,
                      stream: bool, rids: list[str], p: Server) -> web.StreamResponse:
@@ -771,7 +778,7 @@ class Router:
     def _set_rid(body: dict, n: Optional[int]) -> list[str]:
         rid = body.get("rid")
         if rid is None:
-            rids = [uuid.uuid4().hex for _ in range(n or 1)]
+            rids = [os.urandom(16).hex() for _ in range(n or 1)]  # uuid4().hex's form, cheaper
             body["rid"] = rids if n else rids[0]
             return rids
         if isinstance(rid, str):
@@ -957,7 +964,8 @@ class Router:
             last = int(request.query.get("last", "20"))
         except ValueError:
             return self._bad("'last' must be an integer")
-        return json_response(list(self.decisions)[-max(last, 0):] if last else [])
+        recent = list(self.decisions)[-max(last, 0):] if last else []
+        return json_response([self._render_decision(r) for r in recent])
 
     async def h_status(self, request: web.Request) -> web.Response:
         return json_response(self.status())

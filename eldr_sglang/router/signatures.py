@@ -162,7 +162,7 @@ class SignatureEncoder:
         norm = float(np.linalg.norm(vec))
         if not np.isfinite(norm) or norm < 1e-12:
             raise SignatureError("empty_signature", "signature is zero or not finite")
-        return vec / norm
+        return vec if abs(norm - 1.0) < 1e-5 else vec / norm  # the core's are unit already
 
     def describe(self) -> dict:
         a = self.artifact
