@@ -243,6 +243,50 @@ def pd_sender(http, urls: dict):
     return send
 
 
+class LateSender:
+    """``send(body)`` as a late-binding router of zero cost would: the client posts
+    prefill, reads the room's signature from its own TCP signature port, then posts
+    decode (round robin: no policy work) and waits for both. Its latency minus the
+    concurrent PD client's is what late binding costs on these stubs whatever the
+    router; a router's latency minus this one's is the router's own cost."""
+
+    def __init__(self, http, urls: dict, port: int) -> None:
+        self.http, self.urls, self.port = http, urls, port
+        self.waiting: dict[int, asyncio.Future] = {}
+        self.rr = itertools.count()
+        self.server = None
+
+    async def start(self) -> None:
+        async def on_conn(reader, writer) -> None:
+            while line := await reader.readline():
+                msg = orjson.loads(line)
+                fut = self.waiting.get(msg["bootstrap_room"])
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            writer.close()
+        self.server = await asyncio.start_server(on_conn, "127.0.0.1", self.port, limit=2**24)
+
+    async def _post(self, url: str, data: bytes) -> int:
+        async with self.http.post(url, data=data, headers=JSON_HEADERS) as r:
+            await r.read()
+            return r.status
+
+    async def __call__(self, body: dict) -> int:
+        room = random.getrandbits(63)
+        data = orjson.dumps({**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998,
+                             "bootstrap_room": room})
+        fut = self.waiting[room] = asyncio.get_running_loop().create_future()
+        try:
+            prefill = asyncio.ensure_future(self._post(f"{self.urls['prefill']}/generate", data))
+            await asyncio.wait_for(fut, 10)
+            decodes = self.urls["decode"]
+            d = await self._post(f"{decodes[next(self.rr) % len(decodes)]}/generate", data)
+            p = await prefill
+        finally:
+            del self.waiting[room]
+        return d if p == 200 else p
+
+
 async def sequential(send, n: int) -> np.ndarray:
     lat = np.empty(n)
     for i in range(n):
@@ -285,12 +329,17 @@ async def closed_loop(send, conc: int, duration: float, pid: int) -> dict:
     return {"rps": done / el, "ok": done, "errors": errors, "rss_mb": [round(x, 1) for x in rss]}
 
 
-async def measure(name: str, url: str, args, pid: int, urls: Optional[dict] = None) -> dict:
-    """Latency and throughput through ``url``, or with ``urls`` (the stubs) as the
-    zero-cost PD client (:func:`pd_sender`)."""
+async def measure(name: str, url: str, args, pid: int, urls: Optional[dict] = None,
+                  late_port: int = 0) -> dict:
+    """Latency and throughput through ``url``, or with ``urls`` (the stubs) as a
+    zero-cost PD client (:func:`pd_sender`, or :class:`LateSender` on ``late_port``)."""
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as http:
-        send = pd_sender(http, urls) if urls else router_sender(http, f"{url}/generate")
+        if late_port:
+            send = LateSender(http, urls, late_port)
+            await send.start()
+        else:
+            send = pd_sender(http, urls) if urls else router_sender(http, f"{url}/generate")
         await sequential(send, args.warmup)
         lat = await sequential(send, args.requests)
         load = await closed_loop(send, args.load_concurrency, args.duration, pid)
@@ -327,7 +376,8 @@ async def run_router(name: str, args, artifact_path: str) -> dict:
     url = f"http://127.0.0.1:{port}"
     sig_port = free_port()
     sig_url = {"eldr": f"{url}/eldr/signature", "eldr-list": f"{url}/eldr/signature",
-               "eldr-tcp": f"tcp://127.0.0.1:{sig_port}"}.get(name, "")
+               "eldr-tcp": f"tcp://127.0.0.1:{sig_port}",
+               "direct-late": f"tcp://127.0.0.1:{sig_port}"}.get(name, "")
     stubs, urls = start_stubs(args.decodes, sig_url, list_counts=name == "eldr-list",
                               kv_handoff=not args.no_kv_handoff)
     try:
@@ -335,6 +385,8 @@ async def run_router(name: str, args, artifact_path: str) -> dict:
             if args.no_kv_handoff:
                 return await measure(name, urls["decode"][0], args, stubs.pid)
             return await measure(name, "", args, stubs.pid, urls=urls)
+        if name == "direct-late":
+            return await measure(name, "", args, stubs.pid, urls=urls, late_port=sig_port)
         if name.startswith("eldr"):
             cmd = [sys.executable, "-m", "eldr_sglang.router", "--host", "127.0.0.1",
                    "--port", str(port), "--prefill", urls["prefill"], "8998",
@@ -389,7 +441,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20000, help="decision-time iterations")
     ap.add_argument("--start-timeout", type=float, default=180.0)
     ap.add_argument("--skip-sglang", action="store_true")
-    ap.add_argument("--only", help="comma list of: direct,eldr-tcp,eldr,eldr-list,eldr-rr,sglang-router")
+    ap.add_argument("--only", help="comma list of: direct,direct-late,eldr-tcp,eldr,eldr-list,eldr-rr,sglang-router")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--serve-stubs", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--signature-url", help=argparse.SUPPRESS)
@@ -410,11 +462,15 @@ def main() -> None:
     print(f"  (signature message {dec['message_kb']:.1f} KB with JSON rows, "
           f"{dec['packed_kb']:.1f} KB packed)")
 
-    names = ["direct", "eldr-tcp", "eldr", "eldr-list", "eldr-rr"] + ([] if args.skip_sglang else ["sglang-router"])
+    late_bound = ("eldr-tcp", "eldr", "eldr-list")
+    names = ["direct", "direct-late", "eldr-tcp", "eldr", "eldr-list", "eldr-rr"] + \
+        ([] if args.skip_sglang else ["sglang-router"])
     if args.only:
         names = [n for n in args.only.split(",")]
         if "direct" not in names:
             names.insert(0, "direct")
+        if "direct-late" not in names and any(n in late_bound for n in names):
+            names.insert(1, "direct-late")
     with tempfile.TemporaryDirectory() as tmp:
         art_path = str(make_artifact(args.decodes).save(Path(tmp) / "artifact.json"))
         rows = {}
@@ -424,33 +480,38 @@ def main() -> None:
                 rows[name] = run_loop(run_router(name, args, art_path))
             except Exception as e:  # noqa: BLE001 - report and continue
                 print(f"  {name} failed: {e}")
-    base = rows.get("direct")
+    base, late = rows.get("direct"), rows.get("direct-late")
     base_what = "one decode stub" if args.no_kv_handoff else "client posting prefill+decode itself"
     print(f"\n{args.requests} sequential requests (added = router - direct: {base_what}), then "
           f"{args.duration:.0f}s closed loop at concurrency {args.load_concurrency}; "
           f"{args.decodes} decode stubs + 1 prefill stub in one process, "
           f"KV handoff {'off' if args.no_kv_handoff else 'on (decode waits for its prefill)'}")
-    print(f"  {'path':15s} {'p50 ms':>7s} {'p99 ms':>7s} {'+p50 ms':>8s} {'+p99 ms':>8s} "
+    print("  direct-late: the client late-binds itself (prefill, its own signature port, then decode); "
+          "'own' = a late-binding router's p50 minus direct-late's: the router's own cost")
+    print(f"  {'path':15s} {'p50 ms':>7s} {'p99 ms':>7s} {'+p50 ms':>8s} {'+p99 ms':>8s} {'own p50':>8s} "
           f"{'req/s':>7s} {'errors':>6s}  RSS MB (start -> end)")
+    nan = float("nan")
     for name, r in rows.items():
-        add50 = r["p50_ms"] - base["p50_ms"] if base and name != "direct" else float("nan")
-        add99 = r["p99_ms"] - base["p99_ms"] if base and name != "direct" else float("nan")
+        add50 = r["p50_ms"] - base["p50_ms"] if base and name != "direct" else nan
+        add99 = r["p99_ms"] - base["p99_ms"] if base and name != "direct" else nan
+        own = r["p50_ms"] - late["p50_ms"] if late and name in late_bound else nan
         rss = r["rss_mb"]
-        print(f"  {name:15s} {r['p50_ms']:7.3f} {r['p99_ms']:7.3f} {add50:8.3f} {add99:8.3f} "
+        print(f"  {name:15s} {r['p50_ms']:7.3f} {r['p99_ms']:7.3f} {add50:8.3f} {add99:8.3f} {own:8.3f} "
               f"{r['rps']:7.0f} {r['errors']:6d}  {rss[0] if rss else 0:.1f} -> {rss[-1] if rss else 0:.1f}")
-    for name in ("eldr-tcp", "eldr", "eldr-list", "eldr-rr"):
+    for name in late_bound + ("eldr-rr",):
         if name in rows:
             r = rows[name]
             print(f"  {name}: in-router added latency (metric, bucket bound) "
                   f"{r.get('added_latency_metric')}, board after load {r.get('board')}, "
                   f"fallbacks {r.get('fallbacks')}")
     sg = rows.get("sglang-router")
-    if sg:
-        for name in ("eldr-tcp", "eldr", "eldr-list", "eldr-rr"):
+    if sg and base:
+        for name in late_bound + ("eldr-rr",):
             if name in rows:
                 r = rows[name]
+                own = f", own {r['p50_ms'] - late['p50_ms']:.3f} ms" if late and name in late_bound else ""
                 print(f"  ratio {name}/sglang-router: throughput {r['rps'] / sg['rps']:.2f}x "
-                      f"(goal >= 0.5x), added p50 {r['p50_ms'] - base['p50_ms']:.3f} ms vs "
+                      f"(goal >= 0.5x), added p50 {r['p50_ms'] - base['p50_ms']:.3f} ms{own} vs "
                       f"{sg['p50_ms'] - base['p50_ms']:.3f} ms (goal <= 0.5 ms)")
     if args.json:
         Path(args.json).write_text(json.dumps({"decision": dec, "routers": rows}, indent=1))

@@ -434,18 +434,27 @@ def render(args, sweep, runs, info, microbenches, plot_files, command) -> str:
     for mb in microbenches:
         shape = microbench_shape(mb, args.cost)
         w(f"{mb['device']} ({mb['device_name']}, {mb['threads']} thread(s), {mb['dtype']}, hidden {mb['hidden']}, "
-          f"ffn {mb['ffn']}, {mb['experts']} experts, top-{mb['top_k']}, torch {mb['torch']}):\n")
+          f"ffn {mb['ffn']}, {mb['experts']} experts, top-{mb['top_k']}, torch {mb['torch']}; "
+          f"timing: {mb.get('timing', 'wall clock per call')}):\n")
+        if mb.get("command"):
+            w(f"`{mb['command']}`\n")
         w("| batch | distinct experts | median ms |")
         w("|---|---|---|")
         for r in mb["rows"]:
             w(f"| {r['batch']} | {r['unique']} | {r['median_ms']:.3f} |")
         w("")
-        w("| batch | linear fit R^2 | intercept ms | ms per expert | measured ratio | cost-model ratio (same expert fractions) |")
-        w("|---|---|---|---|---|---|")
+        w("| batch | linear fit R^2 | intercept ms | ms per expert | implied GB/s (3 passes) | measured ratio | "
+          "cost-model ratio (same expert fractions) |")
+        w("|---|---|---|---|---|---|---|")
         for batch, s in shape.items():
-            w(f"| {batch} | {s['r2']:.3f} | {s['intercept_ms']:.3f} | {s['slope_ms']:.4f} | "
+            gbs = 3 * mb["bytes_per_expert"] / (s["slope_ms"] * 1e-3) / 1e9 if s["slope_ms"] > 0 else float("nan")
+            w(f"| {batch} | {s['r2']:.3f} | {s['intercept_ms']:.3f} | {s['slope_ms']:.4f} | {gbs:.0f} | "
               f"{s['measured_ratio']:.2f} ({s['u_high']:g} vs {s['u_low']:g}) | {s['model_ratio']:.2f} |")
         w("")
+    if microbenches:
+        w("Each extra distinct expert costs the slope: this layer passes over an expert's weights 3 times "
+          "(gather read and write, matmul read; a fused MoE kernel reads them once), hence the implied "
+          "bandwidth. The cost model's anchors come from the paper's 16 -> 128 ratio, not from these runs.\n")
     if not microbenches:
         w("(not run: --skip-microbench)\n")
 

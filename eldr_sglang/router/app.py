@@ -50,10 +50,10 @@ from typing import Any, Optional, Sequence
 import aiohttp
 import numpy as np
 import orjson
-import yarl
 from aiohttp import web
 
 from eldr_sglang.core.policies import Decision, RouteRequest, least_loaded, make_policy
+from eldr_sglang.router import upstream
 from eldr_sglang.router.metrics import BREAKER_STATES, RouterMetrics
 from eldr_sglang.router.signatures import (SignatureBoard, SignatureEncoder, SignatureError,
                                            combine, load_calibration, parse_message)
@@ -67,7 +67,6 @@ logger = logging.getLogger("eldr_sglang.router")
 decision_logger = logging.getLogger("eldr_sglang.router.decisions")
 WORK_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
 
-CHUNK = 64 * 1024
 JSON = "application/json"
 
 
@@ -132,11 +131,11 @@ class Server:
         self.url = self.url.rstrip("/")
         self.host = _host_of(self.url)
 
-    def endpoint(self, path: str) -> yarl.URL:
-        """``url/path`` parsed once (the hot path posts to the same few endpoints)."""
+    def endpoint(self, path: str) -> str:
+        """``url/path``, built once (the hot path posts to the same few endpoints)."""
         u = self._endpoints.get(path)
         if u is None:
-            u = self._endpoints[path] = yarl.URL(f"{self.url}/{path}")
+            u = self._endpoints[path] = f"{self.url}/{path}"
         return u
 
     def healthy(self, now: float) -> bool:
@@ -277,6 +276,8 @@ class Router:
         self.signature_timeout = signature_timeout
         self.health_cooldown = health_cooldown
         self.timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=connect_timeout)
+        # the prefill and decode posts of every request (the hot path); aiohttp for the rest
+        self.upstream = upstream.UpstreamClient(request_timeout, connect_timeout, WORKER_KEEPALIVE_S)
         self.board = SignatureBoard(ttl=signature_ttl, max_buffered=signature_buffer)
         self.decisions: deque[tuple] = deque(maxlen=256)  # recent routing decisions, for /eldr/decisions
         self.metrics = RouterMetrics()
@@ -512,17 +513,19 @@ class Router:
             s = fl.prefill
             self._enter(s)
             try:
-                async with self.session.post(s.endpoint(endpoint), data=fl.payload,
-                                             headers={"Content-Type": JSON}) as resp:
+                resp = await self.upstream.post(s.endpoint(endpoint), fl.payload)
+                try:
                     body = await resp.read()
-                    if resp.status == 200:
-                        self._success(s)
-                    elif resp.status >= 500:
-                        self._failed(s, f"HTTP {resp.status}: {body[:200]!r}", down=False)
-                    else:
-                        self.metrics.worker_errors.labels(s.role, s.url, "http_4xx").inc()
-                    return PrefillResult(resp.status, body, url=s.url)
-            except aiohttp.ClientConnectorError as e:
+                finally:
+                    resp.release()
+                if resp.status == 200:
+                    self._success(s)
+                elif resp.status >= 500:
+                    self._failed(s, f"HTTP {resp.status}: {body[:200]!r}", down=False)
+                else:
+                    self.metrics.worker_errors.labels(s.role, s.url, "http_4xx").inc()
+                return PrefillResult(resp.status, body, url=s.url)
+            except upstream.ConnectError as e:
                 self._failed(s, repr(e), down=True, kind="connect")
                 tried.add(id(s))
                 alt = None if fl.decode_sent else self.pick_prefill(exclude=tried)
@@ -532,13 +535,10 @@ class Router:
                     fl.set_prefill(alt)
                     continue
                 return PrefillResult(0, b"", f"prefill server {s.url} unreachable: {type(e).__name__}")
-            except (asyncio.TimeoutError, aiohttp.ServerDisconnectedError) as e:
-                kind = "timeout" if isinstance(e, asyncio.TimeoutError) else "disconnect"
+            except upstream.UpstreamError as e:  # Timeout, Disconnected
+                kind = "timeout" if isinstance(e, upstream.Timeout) else "disconnect"
                 self._failed(s, repr(e), down=True, kind=kind)
                 return PrefillResult(0, b"", f"prefill server {s.url} unreachable: {type(e).__name__}")
-            except aiohttp.ClientError as e:
-                self._failed(s, repr(e), down=False, kind="disconnect")
-                return PrefillResult(0, b"", f"prefill server {s.url} failed: {type(e).__name__}")
             finally:
                 self._leave(s)
 
@@ -565,12 +565,8 @@ class Router:
 
     async def _open_decode(self, d: Server, endpoint: str, payload: bytes,
                            prefill_task: asyncio.Task):
-        """POST to decode; returns ClientResponse, a failed PrefillResult, or an exception."""
-        async def send() -> aiohttp.ClientResponse:
-            return await self.session.post(d.endpoint(endpoint), data=payload,
-                                           headers={"Content-Type": JSON})
-
-        post = asyncio.ensure_future(send())
+        """POST to decode; returns its response, a failed PrefillResult, or an exception."""
+        post = asyncio.ensure_future(self.upstream.post(d.endpoint(endpoint), payload))
         watch = {post} if prefill_task.done() else {post, prefill_task}
         try:
             while True:
@@ -578,7 +574,7 @@ class Router:
                 if post in done:
                     try:
                         return post.result()
-                    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    except upstream.UpstreamError as e:
                         return e
                 res = prefill_task.result()
                 if not res.ok:
@@ -654,9 +650,9 @@ class Router:
                         self._spawn(self._abort(rids, [d]))
                         return self._prefill_error(resp)
                     if isinstance(resp, Exception):
-                        refused = isinstance(resp, aiohttp.ClientConnectorError)
+                        refused = isinstance(resp, upstream.ConnectError)
                         kind = ("connect" if refused else "timeout"
-                                if isinstance(resp, asyncio.TimeoutError) else "disconnect")
+                                if isinstance(resp, upstream.Timeout) else "disconnect")
                         self._failed(d, repr(resp), down=True, kind=kind)
                         tried.update(i for i, x in enumerate(self.decodes) if x is d)
                         if refused and len(tried) < len(self.decodes):
@@ -711,7 +707,7 @@ class Router:
                 pass
         return decision
 
-    async def _relay(self, request: web.Request, resp: aiohttp.ClientResponse, d: Server,
+    async def _relay(self, request: web.Request, resp: upstream.UpstreamResponse, d: Server,
                      stream: bool, rids: list[str], p: Server) -> web.StreamResponse:
         """Return the decode answer; stream SSE chunks through when the client streams.
 
@@ -720,7 +716,7 @@ class Router:
         if resp.status != 200:
             try:
                 data = await resp.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            except upstream.UpstreamError as e:
                 data = repr(e).encode()
             if resp.status >= 500:
                 self._failed(d, f"HTTP {resp.status}: {data[:200]!r}", down=False)
@@ -732,7 +728,7 @@ class Router:
         if not stream:
             try:
                 data = await resp.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            except upstream.UpstreamError as e:
                 self._failed(d, f"response broken: {e!r}", down=False, kind="disconnect")
                 self._spawn(self._abort(rids, [p]))
                 return error_response(502, f"decode server {d.url} failed mid-response: "
@@ -744,13 +740,13 @@ class Router:
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await out.prepare(request)
         try:
-            async for chunk in resp.content.iter_chunked(CHUNK):
+            async for chunk in resp.iter_chunks():
                 await out.write(chunk)
             await out.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             self._count("client_disconnects")
             self._spawn(self._abort(rids, [p, d]))
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except upstream.UpstreamError as e:
             self._failed(d, f"stream broken: {e!r}", down=False, kind="stream")
             self._spawn(self._abort(rids, [p]))
             err = {"error": {"message": f"decode server {d.url} failed mid-stream: "
@@ -1174,6 +1170,7 @@ class Router:
         await asyncio.gather(*self._bg, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
+        self.upstream.close()
 
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[self._json_errors], client_max_size=self.max_body)

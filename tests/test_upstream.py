@@ -1,0 +1,187 @@
+"""The router's worker client (eldr_sglang/router/upstream.py) against real sockets."""
+
+import asyncio
+import time
+
+import pytest
+from aiohttp import web
+
+from eldr_sglang.router import upstream
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def aiohttp_server(app: web.Application):
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def raw_server(handler):
+    """A scripted server: ``handler(request_bytes, writer)`` answers as it likes."""
+    conns = []
+
+    async def on_conn(reader, writer):
+        conns.append(writer)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int([l for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")][0]
+                             .split(b":")[1])
+                body = await reader.readexactly(length)
+                if await handler(head + body, writer) is False:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", conns
+
+
+def test_keep_alive_content_length_and_chunked_stream():
+    async def main():
+        peers = set()
+
+        async def echo(request):
+            peers.add(request.transport.get_extra_info("peername"))
+            return web.Response(body=b"got " + await request.read(), status=201)
+
+        async def stream(request):
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            for i in range(5):
+                await out.write(b"data: %d\n\n" % i)
+                await asyncio.sleep(0.01)
+            await out.write_eof()
+            return out
+
+        app = web.Application()
+        app.router.add_post("/echo", echo)
+        app.router.add_post("/stream", stream)
+        runner, url = await aiohttp_server(app)
+        client = upstream.UpstreamClient(timeout=5)
+        try:
+            for i in range(3):
+                r = await client.post(f"{url}/echo", b'{"i": %d}' % i)
+                assert (r.status, await r.read()) == (201, b'got {"i": %d}' % i)
+                r.release()
+            assert len(peers) == 1  # one kept-alive connection for all three
+            r = await client.post(f"{url}/stream", b"{}")
+            assert r.status == 200 and (b"content-type", b"text/event-stream") in \
+                [(k.lower(), v) for k, v in r.headers]
+            chunks = [c async for c in r.iter_chunks()]
+            r.release()
+            assert b"".join(chunks) == b"".join(b"data: %d\n\n" % i for i in range(5))
+            assert len(chunks) >= 2  # arrived as written, not at the end
+            r = await client.post(f"{url}/echo", b"again")
+            assert await r.read() == b"got again" and len(peers) == 1
+            r.release()
+        finally:
+            client.close()
+            await runner.cleanup()
+    run(main())
+
+
+def test_errors_say_whether_the_worker_saw_the_request():
+    async def main():
+        client = upstream.UpstreamClient(timeout=0.5)
+        # nothing listens: never connected
+        server, url, _ = await raw_server(None)
+        server.close()
+        await server.wait_closed()
+        with pytest.raises(upstream.ConnectError):
+            await client.post(f"{url}/x", b"{}")
+
+        async def drop(req, writer):  # reads the request, closes without a byte
+            return False
+        server, url, _ = await raw_server(drop)
+        with pytest.raises(upstream.Disconnected):
+            await client.post(f"{url}/x", b"{}")
+        server.close()
+
+        async def half(req, writer):  # headers and half the body, then gone
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabcde")
+            await writer.drain()
+            return False
+        server, url, _ = await raw_server(half)
+        r = await client.post(f"{url}/x", b"{}")
+        with pytest.raises(upstream.Disconnected):
+            await r.read()
+        r.release()
+        server.close()
+
+        async def silent(req, writer):  # never answers
+            await asyncio.sleep(10)
+        server, url, _ = await raw_server(silent)
+        t0 = time.monotonic()
+        with pytest.raises(upstream.Timeout):
+            await client.post(f"{url}/x", b"{}")
+        assert 0.4 < time.monotonic() - t0 < 2
+        assert isinstance(upstream.Timeout(), asyncio.TimeoutError)
+        server.close()
+
+        async def garbage(req, writer):
+            writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+            await writer.drain()
+        server, url, _ = await raw_server(garbage)
+        with pytest.raises(upstream.Disconnected):
+            await client.post(f"{url}/x", b"{}")
+        server.close()
+        client.close()
+    run(main())
+
+
+def test_close_delimited_body_large_body_and_server_closed_idle_connection():
+    async def main():
+        big = bytes(range(256)) * (3 * upstream.PAUSE_BYTES // 256)  # > the pause threshold
+
+        async def answer(req, writer):
+            if b"/eof" in req:  # no length: the body ends with the connection
+                writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end")
+                await writer.drain()
+                return False
+            if b"/big" in req:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(big) + big)
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+        server, url, conns = await raw_server(answer)
+        client = upstream.UpstreamClient(timeout=5)
+        r = await client.post(f"{url}/eof", b"{}")
+        assert await r.read() == b"until the end"
+        r.release()
+        r = await client.post(f"{url}/big", b"{}")
+        assert await r.read() == big
+        r.release()
+        n = len(conns)
+        for w in conns:  # the server closes its idle connections
+            w.close()
+        await asyncio.sleep(0.1)
+        r = await client.post(f"{url}/ok", b"{}")
+        assert await r.read() == b"ok" and len(conns) == n + 1  # a fresh one, no error
+        r.release()
+        # an answer released unread closes its connection instead of reusing it
+        r = await client.post(f"{url}/big", b"{}")
+        r.release()
+        r = await client.post(f"{url}/ok", b"{}")
+        assert await r.read() == b"ok" and len(conns) == n + 2
+        r.release()
+        client.close()
+        server.close()
+    run(main())
+
+
+def test_bad_url_is_refused():
+    async def main():
+        client = upstream.UpstreamClient()
+        with pytest.raises(ValueError):
+            await client.post("ftp://x/y", b"")
+    run(main())
