@@ -69,7 +69,7 @@ echo "import eldr_sglang.patches._cpu_boot" > "$SITE/eldr_sglang_cpu.pth"
 step "smoke-import sglang, the stand-ins and the project"
 "$VENV/bin/python" - <<'EOF'
 import sglang.srt.configs, sglang.srt.disaggregation.mooncake.conn, sglang.srt.server_args, sglang_router, mooncake  # noqa: F401
-import sklearn, scipy, aiohttp, orjson, matplotlib, uvloop  # noqa: F401
+import sklearn, scipy, aiohttp, orjson, matplotlib, uvloop, httptools  # noqa: F401
 import eldr_sglang
 print("    sglang", sglang.__version__, "| eldr_sglang", eldr_sglang.__version__)
 EOF
