@@ -184,6 +184,19 @@ class _Flight:
         self.payload = orjson.dumps(body)
 
 
+class _NoSignature(Exception):
+    """Ends a wait for a room's signature message without one (timeout, failed prefill)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _delivered(w: asyncio.Future) -> bool:
+    """The room's signature message arrived (the future holds it)."""
+    return w.done() and not w.cancelled() and w.exception() is None
+
+
 def batch_size(body: dict) -> Optional[int]:
     """None for a single /generate request, else the batch length; ValueError if malformed."""
     text, ids = body.get("text"), body.get("input_ids")
@@ -450,36 +463,69 @@ class Router:
         return d, dec
 
     # ---------------------------------------------------------------- signature
+    @staticmethod
+    async def _await_one(w: asyncio.Future, prefill_task: asyncio.Task,
+                         deadline: float) -> Optional[PrefillResult]:
+        """Wait on one room's future until its message, the deadline (the future then
+        holds :class:`_NoSignature`) or a failed prefill (returned)."""
+        if w.done():
+            return None
+        loop = asyncio.get_running_loop()
+
+        def end(reason: str) -> None:
+            if not w.done():
+                w.set_exception(_NoSignature(reason))
+
+        def on_prefill(t: asyncio.Task) -> None:
+            if not t.cancelled() and not t.result().ok:
+                end("prefill_failed")
+
+        timer = loop.call_at(deadline, end, "timeout")
+        prefill_task.add_done_callback(on_prefill)
+        try:
+            await w
+        except _NoSignature as e:
+            if e.reason == "prefill_failed":
+                return prefill_task.result()
+        finally:
+            timer.cancel()
+            prefill_task.remove_done_callback(on_prefill)
+        return None
+
     async def _await_signature(self, waiters: list[asyncio.Future], prefill_task: asyncio.Task,
                                ) -> tuple[Optional[np.ndarray], Optional[PrefillResult], float]:
         """Wait for the room(s)' signatures: (vector or None, failed prefill or None, wait s)."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         deadline = t0 + self.signature_timeout
-        # one room (the usual case): wait on its future itself, no helper task
-        all_in = waiters[0] if len(waiters) == 1 else asyncio.ensure_future(asyncio.wait(waiters))
-        watch = {all_in, prefill_task}
-        try:
-            while True:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    break
-                done, _ = await asyncio.wait(watch, timeout=remaining,
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if all_in in done or not done:
-                    break
-                if prefill_task in done:
-                    res = prefill_task.result()
-                    if not res.ok:
-                        return None, res, loop.time() - t0
-                    watch.discard(prefill_task)  # finished fine: keep waiting
-        finally:
-            all_in.cancel()
+        if len(waiters) == 1:  # the usual case: await the room's future itself (one wake-up)
+            failed = await self._await_one(waiters[0], prefill_task, deadline)
+            if failed is not None:
+                return None, failed, loop.time() - t0
+        else:
+            all_in = asyncio.ensure_future(asyncio.wait(waiters))
+            watch = {all_in, prefill_task}
+            try:
+                while True:
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        break
+                    done, _ = await asyncio.wait(watch, timeout=remaining,
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    if all_in in done or not done:
+                        break
+                    if prefill_task in done:
+                        res = prefill_task.result()
+                        if not res.ok:
+                            return None, res, loop.time() - t0
+                        watch.discard(prefill_task)  # finished fine: keep waiting
+            finally:
+                all_in.cancel()
         waited = loop.time() - t0
         self.metrics.signature_wait.observe(waited)
         vectors, reasons = [], []
         for w in waiters:
-            if not w.done() or w.cancelled():
+            if not _delivered(w):
                 reasons.append("timeout")
                 continue
             self._count("signatures_used")
@@ -684,7 +730,7 @@ class Router:
         """Keep the decision and the signature messages it used (``GET /eldr/decisions``).
 
         Stored as taken (cheap on the request path), rendered when read."""
-        messages = [w.result() for w in waiters if w.done() and not w.cancelled()]
+        messages = [w.result() for w in waiters if _delivered(w)]
         self.decisions.append((time.time(), rids, rooms, label, self.policy_name, d.url,
                                [(x.url, x.inflight) for x in self.decodes], messages, dec, sig,
                                self.encoder))

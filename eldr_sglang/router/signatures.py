@@ -16,6 +16,7 @@ artifact with the same layers needs no engine restart.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import OrderedDict
 from typing import Any, Callable, Optional
@@ -148,7 +149,7 @@ class SignatureEncoder:
         self.tau = float(getattr(artifact, "tau", 0.1) or 0.1)
 
     def encode(self, msg: dict) -> np.ndarray:
-        if [int(x) for x in msg["layers"]] != self.layers:
+        if msg["layers"] != self.layers:  # ints (parse_message checked them)
             raise SignatureError(
                 "layer_mismatch", f"message layers {msg['layers']} != artifact {self.layers}")
         try:
@@ -159,8 +160,8 @@ class SignatureEncoder:
         if vec.shape[0] != self.centroids.shape[1]:
             raise SignatureError("bad_counts", f"signature has {vec.shape[0]} dims, "
                                  f"centroids {self.centroids.shape[1]}")
-        norm = float(np.linalg.norm(vec))
-        if not np.isfinite(norm) or norm < 1e-12:
+        norm = math.sqrt(float(np.dot(vec, vec)))
+        if not math.isfinite(norm) or norm < 1e-12:
             raise SignatureError("empty_signature", "signature is zero or not finite")
         return vec if abs(norm - 1.0) < 1e-5 else vec / norm  # the core's are unit already
 
