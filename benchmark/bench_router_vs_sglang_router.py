@@ -6,7 +6,8 @@
 1. decision time: ``EldrPolicy.choose()`` / ``explain()`` at K = 24 centroids of
    dim 6144 (24 layers x 256 experts), 24 decode servers; signature encode time;
 2. router-added latency: p50/p99 of sequential requests (concurrency 1) through
-   each router minus the same figure without a router (``direct``: the client
+   each router (every path started first, then measured in interleaved rounds so
+   the machine's drift hits all alike) minus the same figure without a router (``direct``: the client
    itself posts prefill and decode at once, with the bootstrap fields);
 3. max sustained throughput: closed loop, ``--load-concurrency`` clients for
    ``--duration`` s; the router's RSS is sampled during the run (memory must stay
@@ -329,30 +330,128 @@ async def closed_loop(send, conc: int, duration: float, pid: int) -> dict:
     return {"rps": done / el, "ok": done, "errors": errors, "rss_mb": [round(x, 1) for x in rss]}
 
 
-async def measure(name: str, url: str, args, pid: int, urls: Optional[dict] = None,
-                  late_port: int = 0) -> dict:
-    """Latency and throughput through ``url``, or with ``urls`` (the stubs) as a
-    zero-cost PD client (:func:`pd_sender`, or :class:`LateSender` on ``late_port``)."""
-    conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn) as http:
-        if late_port:
-            send = LateSender(http, urls, late_port)
-            await send.start()
-        else:
-            send = pd_sender(http, urls) if urls else router_sender(http, f"{url}/generate")
-        await sequential(send, args.warmup)
-        lat = await sequential(send, args.requests)
-        load = await closed_loop(send, args.load_concurrency, args.duration, pid)
-        extra = {}
+class Target:
+    """One way of sending requests (a router, or a client baseline) with its processes."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.url, self.urls = name, "", {}
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list = []
+        self.sig_port = 0
+        self.send = None
+        self.lat: list[float] = []
+
+    @property
+    def pid(self) -> int:  # the router's (or, without one, the stubs') process: RSS sampled
+        return self.procs[-1].pid
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            stop(proc)
+        for log in self.logs:
+            log.close()
+
+
+async def start_path(name: str, args, artifact_path: str) -> Target:
+    """Start ``name``'s stubs and router (if any) and wait until they answer."""
+    path = Target(name)
+    port = free_port()
+    url = path.url = f"http://127.0.0.1:{port}"
+    sig_port = path.sig_port = free_port()
+    sig_url = {"eldr": f"{url}/eldr/signature", "eldr-list": f"{url}/eldr/signature",
+               "eldr-tcp": f"tcp://127.0.0.1:{sig_port}",
+               "direct-late": f"tcp://127.0.0.1:{sig_port}"}.get(name, "")
+    stubs, path.urls = start_stubs(args.decodes, sig_url, list_counts=name == "eldr-list",
+                                   kv_handoff=not args.no_kv_handoff)
+    path.procs.append(stubs)
+    urls = path.urls
+    if name in ("direct", "direct-late"):  # the baselines: no router
+        return path
+    try:
         if name.startswith("eldr"):
-            async with http.get(f"{url}/eldr/status") as r:
-                st = await r.json()
-            extra = {"board": st["signature_buffer"], "fallbacks": st["counters"].get("fallbacks", 0)}
-            async with http.get(f"{url}/metrics") as r:
-                text = await r.text()
-            extra["added_latency_metric"] = _hist_quantiles(text, "eldr_router_added_latency_seconds")
-    return {"name": name, "p50_ms": float(np.percentile(lat, 50)) * 1e3,
-            "p99_ms": float(np.percentile(lat, 99)) * 1e3, **load, **extra}
+            cmd = [sys.executable, "-m", "eldr_sglang.router", "--host", "127.0.0.1",
+                   "--port", str(port), "--prefill", urls["prefill"], "8998",
+                   "--policy", "round_robin" if name == "eldr-rr" else "eldr",
+                   "--calibration", artifact_path, "--log-level", "warning"]
+            if name == "eldr-tcp":
+                cmd += ["--signature-port", str(sig_port)]
+        else:
+            cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                   "--prefill", urls["prefill"], "8998", "--policy", "round_robin",
+                   "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn"]
+        for d in urls["decode"]:
+            cmd += ["--decode", d]
+        log = open(Path(tempfile.gettempdir()) / f"bench-{name}.log", "w")
+        path.logs.append(log)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        path.procs.append(proc)
+        t0 = time.monotonic()
+        await wait_healthy(url, args.start_timeout, proc)
+        if name == "sglang-router":  # /health answers before workers are registered
+            await _wait_sglang_workers(url, time.monotonic() - t0, args.start_timeout)
+    except BaseException:
+        path.stop()
+        raise
+    return path
+
+
+async def make_sender(path: Target, http, args):
+    if path.name == "direct":
+        if args.no_kv_handoff:
+            return router_sender(http, f"{path.urls['decode'][0]}/generate")
+        return pd_sender(http, path.urls)
+    if path.name == "direct-late":
+        send = LateSender(http, path.urls, path.sig_port)
+        await send.start()
+        return send
+    return router_sender(http, f"{path.url}/generate")
+
+
+async def measure_all(paths: list[Target], args) -> dict:
+    """Latency in interleaved rounds (every path takes its turn in each round, in a
+    rotating order, so drift of this shared machine hits them alike), then each
+    path's throughput alone (the others idle)."""
+    rows = {}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        for p in paths:
+            p.send = await make_sender(p, http, args)
+            await sequential(p.send, args.warmup)
+        per_round = max(1, args.requests // args.rounds)
+        for r in range(args.rounds):
+            k = r % len(paths)
+            for p in paths[k:] + paths[:k]:
+                p.lat.extend((await sequential(p.send, per_round)).tolist())
+        for p in paths:
+            print(f"  closed loop: {p.name} ...", flush=True)
+            load = await closed_loop(p.send, args.load_concurrency, args.duration, p.pid)
+            extra = {}
+            if p.name.startswith("eldr"):
+                async with http.get(f"{p.url}/eldr/status") as resp:
+                    st = await resp.json()
+                extra = {"board": st["signature_buffer"], "fallbacks": st["counters"].get("fallbacks", 0)}
+                async with http.get(f"{p.url}/metrics") as resp:
+                    text = await resp.text()
+                extra["added_latency_metric"] = _hist_quantiles(text, "eldr_router_added_latency_seconds")
+            lat = np.asarray(p.lat)
+            rows[p.name] = {"name": p.name, "p50_ms": float(np.percentile(lat, 50)) * 1e3,
+                            "p99_ms": float(np.percentile(lat, 99)) * 1e3, "samples": len(lat),
+                            **load, **extra}
+    return rows
+
+
+async def run_paths(names: list[str], args, artifact_path: str) -> dict:
+    paths = []
+    try:
+        for name in names:
+            print(f"starting {name} ...", flush=True)
+            try:
+                paths.append(await start_path(name, args, artifact_path))
+            except Exception as e:  # noqa: BLE001 - report and continue
+                print(f"  {name} failed to start: {e}")
+        return await measure_all(paths, args)
+    finally:
+        for p in paths:
+            p.stop()
 
 
 def _hist_quantiles(text: str, name: str) -> dict:
@@ -369,50 +468,6 @@ def _hist_quantiles(text: str, name: str) -> dict:
     for q in (0.5, 0.99):
         out[f"p{int(q * 100)}_le_ms"] = next(le for le, c in buckets if c >= q * total) * 1e3
     return out
-
-
-async def run_router(name: str, args, artifact_path: str) -> dict:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    sig_port = free_port()
-    sig_url = {"eldr": f"{url}/eldr/signature", "eldr-list": f"{url}/eldr/signature",
-               "eldr-tcp": f"tcp://127.0.0.1:{sig_port}",
-               "direct-late": f"tcp://127.0.0.1:{sig_port}"}.get(name, "")
-    stubs, urls = start_stubs(args.decodes, sig_url, list_counts=name == "eldr-list",
-                              kv_handoff=not args.no_kv_handoff)
-    try:
-        if name == "direct":  # the baseline: no router
-            if args.no_kv_handoff:
-                return await measure(name, urls["decode"][0], args, stubs.pid)
-            return await measure(name, "", args, stubs.pid, urls=urls)
-        if name == "direct-late":
-            return await measure(name, "", args, stubs.pid, urls=urls, late_port=sig_port)
-        if name.startswith("eldr"):
-            cmd = [sys.executable, "-m", "eldr_sglang.router", "--host", "127.0.0.1",
-                   "--port", str(port), "--prefill", urls["prefill"], "8998",
-                   "--policy", "round_robin" if name == "eldr-rr" else "eldr",
-                   "--calibration", artifact_path, "--log-level", "warning"]
-            if name == "eldr-tcp":
-                cmd += ["--signature-port", str(sig_port)]
-        else:
-            cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                   "--prefill", urls["prefill"], "8998", "--policy", "round_robin",
-                   "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn"]
-        for d in urls["decode"]:
-            cmd += ["--decode", d]
-        log = open(Path(tempfile.gettempdir()) / f"bench-{name}.log", "w")
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            t0 = time.monotonic()
-            await wait_healthy(url, args.start_timeout, proc)
-            if name == "sglang-router":  # /health answers before workers are registered
-                await _wait_sglang_workers(url, time.monotonic() - t0, args.start_timeout)
-            return await measure(name, url, args, proc.pid)
-        finally:
-            stop(proc)
-            log.close()
-    finally:
-        stop(stubs)
 
 
 async def _wait_sglang_workers(url: str, spent: float, timeout: float) -> None:
@@ -435,6 +490,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=1000, help="sequential requests (latency)")
     ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=10,
+                    help="latency rounds: each path sends requests/rounds per round, in turn")
     ap.add_argument("--duration", type=float, default=10.0, help="closed-loop seconds (throughput)")
     ap.add_argument("--load-concurrency", type=int, default=32)
     ap.add_argument("--decodes", type=int, default=4)
@@ -473,16 +530,11 @@ def main() -> None:
             names.insert(1, "direct-late")
     with tempfile.TemporaryDirectory() as tmp:
         art_path = str(make_artifact(args.decodes).save(Path(tmp) / "artifact.json"))
-        rows = {}
-        for name in names:
-            print(f"\nrunning {name} ...", flush=True)
-            try:
-                rows[name] = run_loop(run_router(name, args, art_path))
-            except Exception as e:  # noqa: BLE001 - report and continue
-                print(f"  {name} failed: {e}")
+        rows = run_loop(run_paths(names, args, art_path))
     base, late = rows.get("direct"), rows.get("direct-late")
     base_what = "one decode stub" if args.no_kv_handoff else "client posting prefill+decode itself"
-    print(f"\n{args.requests} sequential requests (added = router - direct: {base_what}), then "
+    print(f"\n{args.requests} sequential requests per path in {args.rounds} interleaved rounds "
+          f"(added = router - direct: {base_what}), then "
           f"{args.duration:.0f}s closed loop at concurrency {args.load_concurrency}; "
           f"{args.decodes} decode stubs + 1 prefill stub in one process, "
           f"KV handoff {'off' if args.no_kv_handoff else 'on (decode waits for its prefill)'}")
