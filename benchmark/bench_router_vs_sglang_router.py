@@ -566,7 +566,9 @@ def main() -> None:
                       f"(goal >= 0.5x), added p50 {r['p50_ms'] - base['p50_ms']:.3f} ms{own} vs "
                       f"{sg['p50_ms'] - base['p50_ms']:.3f} ms (goal <= 0.5 ms)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"decision": dec, "routers": rows}, indent=1))
+        command = "python benchmark/bench_router_vs_sglang_router.py " + " ".join(sys.argv[1:])
+        Path(args.json).write_text(json.dumps({"command": command.strip(), "decision": dec,
+                                               "routers": rows}, indent=1))
 
 
 if __name__ == "__main__":
