@@ -477,8 +477,8 @@ class Router:
                 w.set_exception(_NoSignature(reason))
 
         def on_prefill(t: asyncio.Task) -> None:
-            if not t.cancelled() and not t.result().ok:
-                end("prefill_failed")
+            if not t.cancelled() and (t.exception() is not None or not t.result().ok):
+                end("prefill_failed")  # a raising prefill task re-raises below, as before
 
         timer = loop.call_at(deadline, end, "timeout")
         prefill_task.add_done_callback(on_prefill)
@@ -490,6 +490,8 @@ class Router:
         finally:
             timer.cancel()
             prefill_task.remove_done_callback(on_prefill)
+            if w.done() and not w.cancelled():
+                w.exception()  # retrieved (also when this task was cancelled meanwhile)
         return None
 
     async def _await_signature(self, waiters: list[asyncio.Future], prefill_task: asyncio.Task,
