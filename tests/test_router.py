@@ -298,6 +298,23 @@ def test_prefill_error_before_decode_is_returned():
     run(main())
 
 
+def test_prefill_task_that_raises_ends_the_signature_wait():
+    """A bug in the prefill call (an exception, not a worker error) gives a 500 JSON
+    error at once, not after the signature timeout; nothing is left waiting."""
+    async def main():
+        async with cluster(prefill_kw={"send_signature": False}, signature_timeout=20) as (
+                router, url, prefill, decodes, http):
+            async def broken(fl, endpoint):
+                raise RuntimeError("boom")
+            router._call_prefill = broken
+            t0 = time.monotonic()
+            st, raw = await post(http, f"{url}/generate", {"text": "topic:1"})
+            assert st == 500 and "RuntimeError" in orjson.loads(raw)["error"]
+            assert time.monotonic() - t0 < 5 and not router.board.waiters
+            assert not any(d.requests for d in decodes)
+    run(main())
+
+
 def test_client_disconnect_aborts_both_servers():
     async def main():
         async with cluster(decode_kw={"hang": True}, prefill_kw={"hang": True}) as (

@@ -807,7 +807,7 @@ class Router:
         return out
 
     def _log_prefill(self, task: asyncio.Task) -> None:
-        if task.cancelled():
+        if task.cancelled() or task.exception() is not None:  # the request's handler reports it
             return
         res = task.result()
         if not res.ok:
