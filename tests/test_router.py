@@ -162,6 +162,24 @@ def test_batch_gets_list_fields_and_one_decode():
     run(main())
 
 
+def test_batch_with_one_signature_missing_uses_the_other_and_counts_the_gap():
+    """A batch waits for every room up to the timeout; a room whose message never
+    comes falls back (counted) and the batch routes by the signatures that came."""
+    async def main():
+        def counts(text):  # "lost" items get an unusable message (wrong layer count)
+            return topic_counts(text) if "lost" not in text else [[1] * 8]
+        async with cluster(prefill_kw={"counts_fn": counts}, signature_timeout=0.5) as (
+                router, url, prefill, decodes, http):
+            t0 = time.monotonic()
+            st, raw = await post(http, f"{url}/generate", {"text": ["topic:2 a", "lost b"]})
+            assert st == 200, raw
+            assert 0.45 < time.monotonic() - t0 < 5  # waited for the missing room, then went on
+            assert [o["meta_info"]["server"] for o in orjson.loads(raw)] == ["d2", "d2"]
+            assert router.counters["signatures_used"] == 1
+            assert router.counters["fallback_timeout"] == 1 and not router.board.waiters
+    run(main())
+
+
 def test_streaming_passes_through():
     async def main():
         async with cluster(decode_kw={"stream_chunks": 4, "stream_delay": 0.02}) as (

@@ -464,17 +464,17 @@ class Router:
 
     # ---------------------------------------------------------------- signature
     @staticmethod
-    async def _await_one(w: asyncio.Future, prefill_task: asyncio.Task,
-                         deadline: float) -> Optional[PrefillResult]:
-        """Wait on one room's future until its message, the deadline (the future then
-        holds :class:`_NoSignature`) or a failed prefill (returned)."""
-        if w.done():
-            return None
+    async def _await_rooms(waiters: list[asyncio.Future], prefill_task: asyncio.Task,
+                           deadline: float) -> Optional[PrefillResult]:
+        """Wait on the rooms' own futures (one wake-up per message) until all hold
+        their message, the deadline passes or the prefill fails (its result is then
+        returned); the futures left without a message then hold :class:`_NoSignature`."""
         loop = asyncio.get_running_loop()
 
         def end(reason: str) -> None:
-            if not w.done():
-                w.set_exception(_NoSignature(reason))
+            for w in waiters:
+                if not w.done():
+                    w.set_exception(_NoSignature(reason))
 
         def on_prefill(t: asyncio.Task) -> None:
             if not t.cancelled() and (t.exception() is not None or not t.result().ok):
@@ -483,15 +483,17 @@ class Router:
         timer = loop.call_at(deadline, end, "timeout")
         prefill_task.add_done_callback(on_prefill)
         try:
-            await w
+            for w in waiters:
+                await w
         except _NoSignature as e:
             if e.reason == "prefill_failed":
                 return prefill_task.result()
         finally:
             timer.cancel()
             prefill_task.remove_done_callback(on_prefill)
-            if w.done() and not w.cancelled():
-                w.exception()  # retrieved (also when this task was cancelled meanwhile)
+            for w in waiters:
+                if w.done() and not w.cancelled():
+                    w.exception()  # retrieved (also when this task was cancelled meanwhile)
         return None
 
     async def _await_signature(self, waiters: list[asyncio.Future], prefill_task: asyncio.Task,
@@ -499,30 +501,9 @@ class Router:
         """Wait for the room(s)' signatures: (vector or None, failed prefill or None, wait s)."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        deadline = t0 + self.signature_timeout
-        if len(waiters) == 1:  # the usual case: await the room's future itself (one wake-up)
-            failed = await self._await_one(waiters[0], prefill_task, deadline)
-            if failed is not None:
-                return None, failed, loop.time() - t0
-        else:
-            all_in = asyncio.ensure_future(asyncio.wait(waiters))
-            watch = {all_in, prefill_task}
-            try:
-                while True:
-                    remaining = deadline - loop.time()
-                    if remaining <= 0:
-                        break
-                    done, _ = await asyncio.wait(watch, timeout=remaining,
-                                                 return_when=asyncio.FIRST_COMPLETED)
-                    if all_in in done or not done:
-                        break
-                    if prefill_task in done:
-                        res = prefill_task.result()
-                        if not res.ok:
-                            return None, res, loop.time() - t0
-                        watch.discard(prefill_task)  # finished fine: keep waiting
-            finally:
-                all_in.cancel()
+        failed = await self._await_rooms(waiters, prefill_task, t0 + self.signature_timeout)
+        if failed is not None:
+            return None, failed, loop.time() - t0
         waited = loop.time() - t0
         self.metrics.signature_wait.observe(waited)
         vectors, reasons = [], []

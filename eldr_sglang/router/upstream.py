@@ -50,7 +50,7 @@ class _Conn(asyncio.Protocol):
 
     def __init__(self) -> None:
         self.transport: Optional[asyncio.Transport] = None
-        self.parser = httptools.HttpResponseParser(self)
+        self.parser: Optional[httptools.HttpResponseParser] = None  # a new one per request
         self.resp: Optional[UpstreamResponse] = None
         self.closed = False
         self.idle_since = 0.0
@@ -99,7 +99,8 @@ class UpstreamResponse:
 
     Always :meth:`release` it (a fully read answer gives the connection back)."""
 
-    def __init__(self, client: "UpstreamClient", key: tuple, conn: _Conn, deadline: float) -> None:
+    def __init__(self, client: "UpstreamClient", key: tuple, conn: _Conn,
+                 deadline: Optional[float]) -> None:  # loop time, None: no limit
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self._client, self._key, self._conn, self._deadline = client, key, conn, deadline
@@ -156,11 +157,8 @@ class UpstreamResponse:
         return False
 
     async def _wait(self, fut: asyncio.Future) -> None:
-        remaining = self._deadline - time.monotonic()
-        if remaining <= 0:
-            raise Timeout("worker answer timed out")
         try:
-            async with asyncio.timeout(remaining if remaining != float("inf") else None):
+            async with asyncio.timeout_at(self._deadline):
                 await fut
         except UpstreamError:
             raise
@@ -273,7 +271,7 @@ class UpstreamClient:
         host, port, secure, path, netloc = self._target(url)
         key = (host, port, secure)
         limit = timeout if timeout is not None else self.timeout
-        deadline = time.monotonic() + limit if limit else float("inf")
+        deadline = asyncio.get_running_loop().time() + limit if limit else None
         conn = self._get(key)
         if conn is None or conn.transport.is_closing():
             conn = await self._connect(host, port, secure)
