@@ -123,6 +123,10 @@ class KvHandoff:
         return len(self._rooms)
 
 
+def _json_lines(msgs: list[dict]) -> bytes:
+    return b"".join(orjson.dumps(m) + b"\n" for m in msgs)
+
+
 def _items(body: dict) -> tuple[list[str], bool]:
     """Prompt text per item (for signatures) and whether the request is a batch."""
     text = body.get("text", body.get("prompt"))
@@ -272,26 +276,33 @@ class StubWorker:
             return counts
         return pack_counts(counts) if self.packed_counts else counts
 
-    async def _post_signature(self, msgs: list[dict]) -> None:
-        if self.signature_delay:
-            await asyncio.sleep(self.signature_delay)
+    def _track(self, coro) -> asyncio.Task:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    def _publish(self, msgs: list[dict], delay: Optional[float] = None) -> None:
+        """Queue signature messages. On an open TCP stream with nothing in flight they
+        are written at once, as the engine's publisher thread does at prefill
+        completion; otherwise the sender task sends them (``signature_delay`` first)."""
+        delay = self.signature_delay if delay is None else delay
+        if delay:
+            async def later() -> None:
+                await asyncio.sleep(delay)
+                self._publish(msgs, delay=0)
+            self._track(later())
+            return
         self.signatures.append(msgs)
         self._outbox.extend(msgs)
-        if self._sender is None or self._sender.done():
-            self._sender = asyncio.get_running_loop().create_task(self._send_outbox())
-            self._tasks.add(self._sender)
-            self._sender.add_done_callback(self._tasks.discard)
-
-    def _publish_now(self, msgs: list[dict]) -> bool:
-        """Write to an open TCP signature stream at once, as the engine's publisher
-        thread does at prefill completion (no task hop); False if it cannot."""
+        if self._sender is not None and not self._sender.done():
+            return  # the running sender takes them
         w = self._sig_writer
-        if self.signature_delay or self._outbox or w is None or w.is_closing() \
-                or (self._sender is not None and not self._sender.done()):
-            return False
-        self.signatures.append(msgs)
-        w.write(b"".join(orjson.dumps(m) + b"\n" for m in msgs))
-        return True
+        if w is not None and not w.is_closing():
+            batch, self._outbox = self._outbox, []
+            w.write(_json_lines(batch))
+        else:
+            self._sender = self._track(self._send_outbox())
 
     async def _send_outbox(self) -> None:
         """Like the engine's publisher: one send carries every message queued meanwhile,
@@ -303,7 +314,7 @@ class StubWorker:
                     if self._sig_writer is None or self._sig_writer.is_closing():
                         u = urllib.parse.urlsplit(self.signature_url)
                         _, self._sig_writer = await asyncio.open_connection(u.hostname, u.port)
-                    self._sig_writer.write(b"".join(orjson.dumps(m) + b"\n" for m in batch))
+                    self._sig_writer.write(_json_lines(batch))
                     await self._sig_writer.drain()
                 else:
                     async with self._session.post(self.signature_url, data=orjson.dumps(
@@ -343,10 +354,7 @@ class StubWorker:
             msgs = [{"bootstrap_room": rooms[i], "rid": rids[i], "prompt_tokens": len(texts[i].split()),
                      "cached_tokens": 0, "layers": self.layers, "counts": self._counts(texts[i])}
                     for i in range(n)]
-            if not self._publish_now(msgs):
-                t = asyncio.get_running_loop().create_task(self._post_signature(msgs))
-                self._tasks.add(t)
-                t.add_done_callback(self._tasks.discard)
+            self._publish(msgs)
         if self.served <= self.fail_first or (self.fail_rate and self.rng.random() < self.fail_rate):
             message = f"stub {self.name} failure"
             if self.fail_body == "text":
