@@ -46,7 +46,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.parse
 from pathlib import Path
 from typing import Optional
 
@@ -214,12 +213,22 @@ async def wait_healthy(url: str, timeout: float, proc: subprocess.Popen) -> None
 
 
 # ---------------------------------------------------------------- load
+async def post_status(http, url: str, data: bytes) -> int:
+    async with http.post(url, data=data, headers=JSON_HEADERS) as r:
+        await r.read()
+        return r.status
+
+
+def pd_payload(body: dict, room: int) -> bytes:
+    """The body as a PD router sends it to both servers (the stubs' bootstrap fields)."""
+    return orjson.dumps({**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998,
+                         "bootstrap_room": room})
+
+
 def router_sender(http, url: str):
     """``send(body) -> HTTP status`` through a router (or straight to one stub)."""
     async def send(body: dict) -> int:
-        async with http.post(url, data=orjson.dumps(body), headers=JSON_HEADERS) as r:
-            await r.read()
-            return r.status
+        return await post_status(http, url, orjson.dumps(body))
     return send
 
 
@@ -228,18 +237,12 @@ def pd_sender(http, urls: dict):
     bootstrap fields and posts prefill and decode (round robin) at once, as mini_lb."""
     gens = [f"{u}/generate" for u in urls["decode"]]
     prefill = f"{urls['prefill']}/generate"
-    host = urllib.parse.urlsplit(urls["prefill"]).hostname
     rr = itertools.count()
 
-    async def post(url: str, data: bytes) -> int:
-        async with http.post(url, data=data, headers=JSON_HEADERS) as r:
-            await r.read()
-            return r.status
-
     async def send(body: dict) -> int:
-        data = orjson.dumps({**body, "bootstrap_host": host, "bootstrap_port": 8998,
-                             "bootstrap_room": random.getrandbits(63)})
-        p, d = await asyncio.gather(post(prefill, data), post(gens[next(rr) % len(gens)], data))
+        data = pd_payload(body, random.getrandbits(63))
+        p, d = await asyncio.gather(post_status(http, prefill, data),
+                                    post_status(http, gens[next(rr) % len(gens)], data))
         return d if p == 200 else p
     return send
 
@@ -255,7 +258,7 @@ class LateSender:
         self.http, self.urls, self.port = http, urls, port
         self.waiting: dict[int, asyncio.Future] = {}
         self.rr = itertools.count()
-        self.server = None
+        self.server: Optional[asyncio.AbstractServer] = None
 
     async def start(self) -> None:
         async def on_conn(reader, writer) -> None:
@@ -267,21 +270,19 @@ class LateSender:
             writer.close()
         self.server = await asyncio.start_server(on_conn, "127.0.0.1", self.port, limit=2**24)
 
-    async def _post(self, url: str, data: bytes) -> int:
-        async with self.http.post(url, data=data, headers=JSON_HEADERS) as r:
-            await r.read()
-            return r.status
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
 
     async def __call__(self, body: dict) -> int:
         room = random.getrandbits(63)
-        data = orjson.dumps({**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998,
-                             "bootstrap_room": room})
+        data = pd_payload(body, room)
         fut = self.waiting[room] = asyncio.get_running_loop().create_future()
         try:
-            prefill = asyncio.ensure_future(self._post(f"{self.urls['prefill']}/generate", data))
+            prefill = asyncio.ensure_future(post_status(self.http, f"{self.urls['prefill']}/generate", data))
             await asyncio.wait_for(fut, 10)
             decodes = self.urls["decode"]
-            d = await self._post(f"{decodes[next(self.rr) % len(decodes)]}/generate", data)
+            d = await post_status(self.http, f"{decodes[next(self.rr) % len(decodes)]}/generate", data)
             p = await prefill
         finally:
             del self.waiting[room]
@@ -346,6 +347,8 @@ class Target:
         return self.procs[-1].pid
 
     def stop(self) -> None:
+        if isinstance(self.send, LateSender):
+            self.send.close()
         for proc in reversed(self.procs):
             stop(proc)
         for log in self.logs:
