@@ -98,36 +98,44 @@ def test_bad_publish_url_is_refused():
 
 
 def test_tcp_stream_to_the_real_router_and_reconnect_after_it_closes():
+    """The router's own return address (no default address configured): its TCP
+    signature stream receives the messages, and a dropped connection is reopened."""
     import asyncio
 
     from eldr_sglang.router.app import Router, start_router
 
     async def main():
         router = Router([("http://127.0.0.1:1", None)], ["http://127.0.0.1:2"], "round_robin",
-                        health_interval=0, signature_listen=("127.0.0.1", 0))
+                        health_interval=0, signature_port=0)
         runner, _ = await start_router(router)
-        pub = SignaturePublisher(f"tcp://127.0.0.1:{router.signature_port}")
+        pub = SignaturePublisher()  # no default: each message names the router
+        waits = {room: router.board.expect(room) for room in (11, 12, 13, 14)}
 
         async def arrived(rooms) -> None:
-            for _ in range(500):
-                if all(r in router.board.buffer for r in rooms):
-                    return
-                await asyncio.sleep(0.01)
-            raise AssertionError(f"rooms {rooms} never arrived: {list(router.board.buffer)}")
+            await asyncio.wait_for(asyncio.gather(*(waits[r] for r in rooms)), 5)
 
         try:
             for room in (11, 12, 13):
-                pub.submit(message(room))
+                pub.submit(message(room), router.return_address)
             await arrived([11, 12, 13])
-            assert router.board.buffer[12][1]["counts"].tolist() == [[12, 1, 0], [0, 2, 12]]
-            assert pub.connections == 1 and len(router._streams) == 1
-            for w in list(router._streams):  # the router drops the connection
+            assert parse_message(waits[12].result())["counts"].tolist() == [[12, 1, 0], [0, 2, 12]]
+            assert pub.connections == 1 and len(router.intake.streams) == 1
+            for w in list(router.intake.streams):  # the router drops the connection
                 w.close()
-            await asyncio.sleep(0.1)
-            pub.submit(message(14))
+            for _ in range(500):  # until the router has let go of it
+                if not router.intake.streams:
+                    break
+                await asyncio.sleep(0.01)
+            pub.submit(message(14), router.return_address)
             await arrived([14])
             assert pub.connections == 2 and pub.dropped == 0 and pub.sent == 4
         finally:
             await runner.cleanup()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("timeout", [0, -0.5])
+def test_non_positive_publish_timeout_is_refused(timeout):
+    with pytest.raises(ValueError, match="--eldr-publish-timeout"):
+        SignaturePublisher("tcp://127.0.0.1:1", timeout=timeout)

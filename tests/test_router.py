@@ -87,7 +87,7 @@ def test_late_binding_flow_routes_by_signature():
                 assert 0 <= pbody["bootstrap_room"] < 2**63
                 assert out["meta_info"]["bootstrap_room"] == pbody["bootstrap_room"]
             assert sum(len(d.requests) for d in decodes) == 3
-            assert router.counters.get("fallbacks", 0) == 0
+            assert router.metrics.value("fallbacks") == 0
             async with http.get(f"{url}/eldr/status") as r:
                 status = await r.json()
             assert status["policy"] == "eldr" and status["loads"] == [0, 0, 0, 0]
@@ -139,7 +139,7 @@ def test_late_binding_under_the_pd_dependency():
                 if policy == "eldr":
                     assert [orjson.loads(raw)["meta_info"]["server"] for _, raw in outs[:4]] == \
                         ["d0", "d1", "d2", "d3"]
-                assert len(kv) == 0 and router.counters["fallbacks"] == 0
+                assert len(kv) == 0 and router.metrics.value("fallbacks") == 0
     run(main())
 
 
@@ -155,7 +155,7 @@ def test_batch_gets_list_fields_and_one_decode():
             assert body["bootstrap_port"] == [BOOT_PORT] * 2
             assert len(set(body["bootstrap_room"])) == 2 and len(body["rid"]) == 2
             assert decodes[1].requests[-1]["bootstrap_room"] == body["bootstrap_room"]
-            assert router.counters["signatures_used"] == 2
+            assert router.metrics.value("events", event="signatures_used") == 2
             st, raw = await post(http, f"{url}/generate", {"input_ids": [[1, 2], [3, 4], [5]]})
             assert st == 200 and len(orjson.loads(raw)) == 3
             assert len(set(prefill.requests[-1]["bootstrap_room"])) == 3
@@ -175,8 +175,8 @@ def test_batch_with_one_signature_missing_uses_the_other_and_counts_the_gap():
             assert st == 200, raw
             assert 0.45 < time.monotonic() - t0 < 5  # waited for the missing room, then went on
             assert [o["meta_info"]["server"] for o in orjson.loads(raw)] == ["d2", "d2"]
-            assert router.counters["signatures_used"] == 1
-            assert router.counters["fallback_timeout"] == 1 and not router.board.waiters
+            assert router.metrics.value("events", event="signatures_used") == 1
+            assert router.metrics.value("fallbacks", reason="timeout") == 1 and not router.board.waiters
     run(main())
 
 
@@ -208,8 +208,8 @@ def test_signature_timeout_falls_back_without_hanging():
             dt = time.perf_counter() - t0
             assert st == 200, raw
             assert 0.25 < dt < 2.0
-            assert router.counters["fallback_timeout"] == 1
-            assert router.counters["fallbacks"] == 1
+            assert router.metrics.value("fallbacks", reason="timeout") == 1
+            assert router.metrics.value("fallbacks") == 1
     run(main())
 
 
@@ -218,8 +218,8 @@ def test_layer_mismatch_counts_error_and_falls_back():
         async with cluster(prefill_kw={"layers": [0, 5]}) as (router, url, prefill, decodes, http):
             st, raw = await post(http, f"{url}/generate", {"text": "topic:2 y"})
             assert st == 200, raw
-            assert router.counters["signature_layer_mismatch"] == 1
-            assert router.counters["fallback_layer_mismatch"] == 1
+            assert router.metrics.value("errors", kind="signature_layer_mismatch") == 1
+            assert router.metrics.value("fallbacks", reason="layer_mismatch") == 1
     run(main())
 
 
@@ -254,7 +254,7 @@ def test_early_signature_end_to_end():
             prefill.send_signature = False
             st, raw = await post(http, f"{url}/generate", {"text": "no topic here"})
             assert st == 200 and orjson.loads(raw)["meta_info"]["server"] == "d3"
-            assert router.counters.get("fallbacks", 0) == 0
+            assert router.metrics.value("fallbacks") == 0
     run(main())
 
 
@@ -272,7 +272,7 @@ def test_bad_input_is_400_json():
                 assert "error" in orjson.loads(raw)
             async with http.get(f"{url}/nope") as r:
                 assert r.status == 404 and "error" in await r.json()
-            assert router.counters["bad_requests"] == 7
+            assert router.metrics.value("errors", kind="bad_request") == 7
             assert not prefill.requests
     run(main())
 
@@ -282,8 +282,8 @@ def test_down_decode_returns_json_error_and_is_marked():
         async with cluster(n_decode=1, dead_decodes=(0,)) as (router, url, prefill, decodes, http):
             st, raw = await post(http, f"{url}/generate", {"text": "topic:0"})
             assert st == 503 and "unavailable" in orjson.loads(raw)["error"]
-            assert router.counters["decode_failures"] == 1
-            assert not router.decodes[0].healthy(time.monotonic())
+            assert router.metrics.value("upstream_failures", role="decode") == 1
+            assert not router.decodes[0].available()
             await asyncio.sleep(0.2)
             assert prefill.aborts  # the held prefill is released
     run(main())
@@ -294,9 +294,9 @@ def test_down_decode_is_retried_elsewhere_and_avoided():
         async with cluster(n_decode=2, dead_decodes=(1,)) as (router, url, prefill, decodes, http):
             st, raw = await post(http, f"{url}/generate", {"text": "topic:1"})
             assert st == 200 and orjson.loads(raw)["meta_info"]["server"] == "d0"
-            assert router.counters["decode_retries"] == 1
+            assert router.metrics.value("retries", role="decode") == 1
             st, raw = await post(http, f"{url}/generate", {"text": "topic:1"})
-            assert st == 200 and router.counters["decode_failures"] == 1  # skipped while unhealthy
+            assert st == 200 and router.metrics.value("upstream_failures", role="decode") == 1  # skipped while unhealthy
     run(main())
 
 
@@ -324,7 +324,7 @@ def test_prefill_task_that_raises_ends_the_signature_wait():
                 router, url, prefill, decodes, http):
             async def broken(fl, endpoint):
                 raise RuntimeError("boom")
-            router._call_prefill = broken
+            router.dispatcher._prefill = broken
             t0 = time.monotonic()
             st, raw = await post(http, f"{url}/generate", {"text": "topic:1"})
             assert st == 500 and "RuntimeError" in orjson.loads(raw)["error"]
@@ -345,7 +345,7 @@ def test_client_disconnect_aborts_both_servers():
                     break
                 await asyncio.sleep(0.05)
             assert prefill.aborts == ["abc"] and decodes[2].aborts == ["abc"]
-            assert router.counters["client_disconnects"] == 1
+            assert router.metrics.value("events", event="client_disconnects") == 1
             await asyncio.sleep(0.1)
             assert router.decodes[2].inflight == 0
     run(main())
@@ -353,8 +353,8 @@ def test_client_disconnect_aborts_both_servers():
 
 def test_stream_disconnect_aborts_both_servers():
     async def main():
-        async with cluster(decode_kw={"stream_chunks": 100, "stream_delay": 0.05},
-                           prefill_kw={"hang": True}) as (router, url, prefill, decodes, http):
+        async with cluster(decode_kw={"stream_chunks": 100, "stream_delay": 0.05}) as (
+                router, url, prefill, decodes, http):
             r = await http.post(f"{url}/generate", json={"text": "topic:0", "stream": True})
             await r.content.readline()
             r.close()  # drop the connection mid-stream
@@ -375,7 +375,7 @@ def test_signature_free_policies_and_domain_label():
                 st, raw = await post(http, f"{url}/generate", {"text": "x"})
                 servers.append(orjson.loads(raw)["meta_info"]["server"])
             assert servers == ["d0", "d1", "d2", "d3"]
-            assert "signature_wait" not in router.counters
+            assert router.metrics.value("signature_wait_seconds_count") == 0
         async with cluster(policy="domain", domain_map={"math": [2]}, label_header="X-Label",
                            label_field="eldr_label") as (router, url, prefill, decodes, http):
             st, raw = await post(http, f"{url}/generate", {"text": "x"}, headers={"X-Label": "math"})
@@ -437,7 +437,7 @@ def test_cli_with_real_calibration_artifact(tmp_path):
                 st, raw = await post(http, f"http://127.0.0.1:{port}/generate",
                                      {"text": f"topic:{topic}"})
                 assert st == 200 and orjson.loads(raw)["meta_info"]["server"] == f"d{topic}"
-        assert router.counters.get("fallbacks", 0) == 0
+        assert router.metrics.value("fallbacks") == 0
         await runner.cleanup()
         for w in workers:
             await w.stop()
@@ -470,18 +470,18 @@ def test_parse_message_validation_and_board_ttl():
 
 def test_signatures_over_the_tcp_stream_route_like_http_ones(caplog):
     async def main():
-        async with cluster(signature_listen=("127.0.0.1", 0), max_body_mb=1 / 1024) as (
+        async with cluster(signature_port=0, signature_max_kb=1) as (
                 router, url, prefill, decodes, http):
-            assert router.signature_port
-            prefill.signature_url = f"tcp://127.0.0.1:{router.signature_port}"
+            assert router.intake.port
+            prefill.signature_url = f"tcp://127.0.0.1:{router.intake.port}"
             for topic in (3, 1, 2, 0):
                 st, raw = await post(http, f"{url}/generate", {"text": f"topic:{topic} hi"})
                 assert st == 200 and orjson.loads(raw)["meta_info"]["server"] == f"d{topic}", raw
-            assert router.counters.get("fallbacks", 0) == 0
-            assert router.counters["signatures_used"] == 4
-            assert router.counters["signature_streams"] == 1  # one kept-open connection
+            assert router.metrics.value("fallbacks") == 0
+            assert router.metrics.value("events", event="signatures_used") == 4
+            assert router.metrics.value("events", event="signature_streams") == 1  # one kept-open connection
             # a bad line is counted and skipped; the stream stays usable
-            _, w = await asyncio.open_connection("127.0.0.1", router.signature_port)
+            _, w = await asyncio.open_connection("127.0.0.1", router.intake.port)
             w.write(b"{not json\n" + orjson.dumps({"bootstrap_room": 5, "layers": [0]}) + b"\n"
                     + orjson.dumps({"bootstrap_room": 6, "layers": [0, 1],
                                     "counts": [[1] * 8, [2] * 8]}) + b"\n")
@@ -491,18 +491,18 @@ def test_signatures_over_the_tcp_stream_route_like_http_ones(caplog):
                     break
                 await asyncio.sleep(0.02)
             assert 6 in router.board.buffer and 5 not in router.board.buffer
-            assert router.counters["signature_invalid"] == 2
+            assert router.metrics.value("signature_messages", outcome="invalid") == 2
             # a line over the body limit closes that connection (and only that one)
             w.write(b"[" + b"1," * 2000 + b"1]\n")
             await w.drain()
             for _ in range(100):
-                if router.counters.get("signature_invalid") == 3:
+                if router.metrics.value("signature_messages", outcome="invalid") == 3:
                     break
                 await asyncio.sleep(0.02)
-            assert router.counters["signature_invalid"] == 3
+            assert router.metrics.value("signature_messages", outcome="invalid") == 3
             w.close()
             st, raw = await post(http, f"{url}/generate", {"text": "topic:2 again"})
             assert st == 200 and orjson.loads(raw)["meta_info"]["server"] == "d2"
     with caplog.at_level(logging.WARNING, logger="eldr_sglang.router"):
         run(main())
-    assert "invalid JSON" in caplog.text and "over 1024 bytes" in caplog.text
+    assert "refused (bad_json)" in caplog.text and "over 1024 bytes" in caplog.text

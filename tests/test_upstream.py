@@ -1,6 +1,11 @@
 """The router's worker client (eldr_sglang/router/upstream.py) against real sockets."""
 
 import asyncio
+import errno
+import os
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -184,4 +189,173 @@ def test_bad_url_is_refused():
         client = upstream.UpstreamClient()
         with pytest.raises(ValueError):
             await client.post("ftp://x/y", b"")
+    run(main())
+
+
+async def until(cond, limit: float = 10.0) -> None:
+    """Wait for ``cond()`` to hold (polling), at most ``limit`` seconds."""
+    deadline = time.monotonic() + limit
+    while not cond() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+
+
+def test_first_byte_timeout_ends_long_before_the_total():
+    async def main():
+        async def silent(req, writer):  # reads the request, never answers
+            await asyncio.sleep(30)
+        server, url, _ = await raw_server(silent)
+        client = upstream.UpstreamClient(30, first_byte_timeout=0.3)
+        t0 = time.monotonic()
+        with pytest.raises(upstream.Timeout) as e:
+            await client.post(f"{url}/x", b"{}")
+        assert e.value.phase == "first_byte" and "no answer headers within 0.3 s" in str(e.value)
+        assert 0.25 < time.monotonic() - t0 < 10
+        # per call: no first-byte limit (0) under a short total
+        t0 = time.monotonic()
+        with pytest.raises(upstream.Timeout) as e:
+            await client.post(f"{url}/x", b"{}", timeout=0.5, first_byte_timeout=0)
+        assert e.value.phase == "total" and "0.5 s" in str(e.value)
+        assert 0.45 < time.monotonic() - t0 < 10
+        # per call: a first-byte limit the client does not have
+        with pytest.raises(upstream.Timeout) as e:
+            await upstream.UpstreamClient(30).post(f"{url}/x", b"{}", first_byte_timeout=0.2)
+        assert e.value.phase == "first_byte" and "0.2 s" in str(e.value)
+        client.close()
+        server.close()
+    run(main())
+
+
+def test_idle_timeout_on_a_stalled_stream_and_a_stalled_body():
+    async def main():
+        async def stall(req, writer):  # headers and some body, then nothing
+            if b"/stream" in req:
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabcde")
+            await writer.drain()
+            await asyncio.sleep(30)
+        server, url, _ = await raw_server(stall)
+        client = upstream.UpstreamClient(30, idle_timeout=0.3)
+        r = await client.post(f"{url}/stream", b"{}")
+        chunks = []
+        t0 = time.monotonic()
+        with pytest.raises(upstream.Timeout) as e:
+            async for c in r.iter_chunks():
+                chunks.append(c)
+        r.release()
+        assert chunks == [b"first"] and e.value.phase == "idle" and "0.3 s" in str(e.value)
+        assert 0.25 < time.monotonic() - t0 < 10
+        r = await client.post(f"{url}/body", b"{}")
+        t0 = time.monotonic()
+        with pytest.raises(upstream.Timeout) as e:
+            await r.read()
+        r.release()
+        assert e.value.phase == "idle" and 0.25 < time.monotonic() - t0 < 10
+        client.close()
+        server.close()
+    run(main())
+
+
+def test_slow_steady_stream_is_not_idle_but_the_total_still_applies():
+    async def main():
+        async def steady(req, writer):  # 20 chunks, one every 0.05 s
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for i in range(20):
+                await asyncio.sleep(0.05)
+                writer.write(b"2\r\n%02d\r\n" % i)
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        server, url, _ = await raw_server(steady)
+        client = upstream.UpstreamClient(30, first_byte_timeout=0.5, idle_timeout=0.5)
+        r = await client.post(f"{url}/x", b"{}")
+        chunks = [c async for c in r.iter_chunks()]
+        r.release()
+        assert b"".join(chunks) == b"".join(b"%02d" % i for i in range(20)) and len(chunks) >= 10
+        r = await client.post(f"{url}/x", b"{}", timeout=0.4)  # shorter than the stream
+        with pytest.raises(upstream.Timeout) as e:
+            await r.read()
+        r.release()
+        assert e.value.phase == "total" and "0.4 s" in str(e.value)
+        client.close()
+        server.close()
+    run(main())
+
+
+@pytest.mark.parametrize("code, error", [
+    (errno.EMFILE, upstream.LocalResourceError), (errno.ENFILE, upstream.LocalResourceError),
+    (errno.ENOBUFS, upstream.LocalResourceError), (errno.ENOMEM, upstream.LocalResourceError),
+    (errno.ECONNREFUSED, upstream.ConnectError)])
+def test_router_out_of_resources_is_not_the_workers_fault(code, error):
+    async def main():
+        async def fail(*args, **kwargs):
+            raise OSError(code, os.strerror(code))
+        asyncio.get_running_loop().create_connection = fail
+        with pytest.raises(upstream.UpstreamError) as e:
+            await upstream.UpstreamClient(5).post("http://127.0.0.1:9/x", b"{}")
+        assert type(e.value) is error
+        if error is upstream.LocalResourceError:
+            assert "router's own limit" in str(e.value)
+    run(main())
+
+
+def test_out_of_file_descriptors_for_real():
+    script = textwrap.dedent("""
+        import asyncio, importlib.util, os, resource, sys
+        spec = importlib.util.spec_from_file_location("upstream", sys.argv[1])
+        upstream = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(upstream)
+
+        async def main():
+            resource.setrlimit(resource.RLIMIT_NOFILE,
+                               (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+            held = []
+            try:
+                while True:
+                    held.append(open(os.devnull))
+            except OSError:
+                pass
+            try:
+                await upstream.UpstreamClient(5).post("http://127.0.0.1:9/x", b"{}")
+            except upstream.UpstreamError as e:
+                print(type(e).__name__)
+        asyncio.run(main())
+    """)
+    out = subprocess.run([sys.executable, "-c", script, upstream.__file__], capture_output=True,
+                         text=True, timeout=20)
+    assert out.stdout.strip() == "LocalResourceError", out.stderr
+
+
+def test_idle_connections_are_closed_by_a_timer():
+    async def main():
+        async def ok(req, writer):
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+        server, url, conns = await raw_server(ok)
+        client = upstream.UpstreamClient(30, keepalive=0.2)
+
+        async def one():
+            r = await client.post(f"{url}/x", b"{}")
+            try:
+                return await r.read()
+            finally:
+                r.release()
+
+        def all_closed():
+            return client.open_connections == 0 and all(w.is_closing() for w in conns)
+
+        assert await asyncio.gather(*(one() for _ in range(50))) == [b"ok"] * 50
+        assert len(conns) == 50  # a burst: one connection each
+        assert client.open_connections == client.idle_connections >= 1
+        await until(all_closed)  # closed by the timer, nothing touched the pool
+        assert all_closed() and client.idle_connections == 0
+        assert client._sweeper is None  # nothing idle: the timer stopped
+        assert await one() == b"ok" and len(conns) == 51  # a fresh connection...
+        assert client.idle_connections == client.open_connections == 1
+        await until(all_closed)  # ...closed by the restarted timer
+        assert all_closed()
+        assert await one() == b"ok" and client._sweeper is not None
+        client.close()
+        assert client._sweeper is None and client.open_connections == 0
+        server.close()
     run(main())

@@ -27,6 +27,7 @@ import torch
 
 from eldr_sglang.core.counts_codec import pack_counts
 from eldr_sglang.patches.flags import EngineConfig, FlagError, check_model_dims
+from eldr_sglang.patches.publish import RETURN_ADDRESS_KEY, SignaturePublisher
 from eldr_sglang.radix_signature import ExpertSlotTable
 
 logger = logging.getLogger("eldr_sglang.capture")
@@ -128,8 +129,6 @@ def _init(state: CaptureState, model_runner) -> None:
         state.ready = True
         return
     if state.config.publish and state.table is not None:
-        from eldr_sglang.patches.publish import SignaturePublisher
-
         state.publisher = SignaturePublisher(state.config.publish, timeout=state.config.publish_timeout)
     if state.config.trace_dir:
         from eldr_sglang.patches.trace_log import TraceLog
@@ -247,6 +246,14 @@ def signature_message(req, counts: torch.Tensor, layers: list[int], packed: bool
     }
 
 
+def return_address(req) -> str | None:
+    """Where the request's router wants its signature (``custom_params[RETURN_ADDRESS_KEY]``,
+    set by the router), else None (the ``--eldr-publish`` address); malformed means None."""
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    dest = params.get(RETURN_ADDRESS_KEY) if isinstance(params, dict) else None
+    return dest if isinstance(dest, str) and dest else None
+
+
 def disagg_prefill_after(result, scheduler, batch, *args, **kwargs):
     state = STATE
     if state is None or state.table is None or (state.publisher is None and state.trace_writer is None):
@@ -257,10 +264,14 @@ def disagg_prefill_after(result, scheduler, batch, *args, **kwargs):
                 continue
             if req.bootstrap_room is None or getattr(req, "kv", None) is None or req.kv.req_pool_idx is None:
                 continue
+            dest = return_address(req)
+            publish = state.publisher is not None and (dest is not None or state.publisher.url is not None)
+            if not publish and state.trace_writer is None:
+                continue
             counts = prompt_counts(scheduler, req, state.table)
-            if state.publisher is not None:
+            if publish:
                 published = counts.index_select(0, state.publish_columns)
-                state.publisher.submit(signature_message(req, published, state.publish_layers, packed=True))
+                state.publisher.submit(signature_message(req, published, state.publish_layers, packed=True), dest)
             if state.trace_writer is not None:
                 _write_prefill_trace(state, req, scheduler, counts)
     except Exception as exc:

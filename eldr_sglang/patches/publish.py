@@ -1,127 +1,213 @@
-"""Send signature messages to the router from a daemon thread.
+"""Send signature messages to routers from a daemon thread.
 
 The scheduler only does ``queue.put_nowait`` (microseconds); the thread
 sends whatever is queued (counts packed as base64 arrays) over one kept-open
-connection to the router:
+connection per destination:
 
 * ``http://router:8000/eldr/signature``: one ``POST`` (a JSON list) per batch;
 * ``tcp://router:PORT`` (the router's ``--signature-port``): newline-delimited
   JSON, no answers -- the cheapest hop for the router, which waits for it.
 
-A router that is down costs dropped messages (counted, logged once a minute),
-never a blocked scheduler: the router then falls back to least-loaded routing
-for those requests.
+A request's destination is the return address its router put in
+``custom_params[RETURN_ADDRESS_KEY]``, else the configured ``--eldr-publish``
+address, so several routers can share prefill servers.
+
+A router that is down costs dropped messages (counted, logged once a minute
+per destination), never a blocked scheduler: the router then falls back to
+least-loaded routing for those requests. A send that failed after ``t``
+seconds (a silent host: the timeout) skips its destination for ``20 t``, so a
+dead router delays the others' messages by at most ~5% of the time.
+
+Imports neither SGLang nor torch (the router imports ``RETURN_ADDRESS_KEY``).
 """
 
 from __future__ import annotations
 
 import http.client
 import logging
+import math
 import queue
 import select
 import socket
 import threading
 import time
 import urllib.parse
+from collections import OrderedDict
 
 import orjson
 
 logger = logging.getLogger("eldr_sglang.publish")
 
+RETURN_ADDRESS_KEY = "eldr_signature_to"
+"""``custom_params`` key (``sampling_params.custom_params`` on ``/generate``, top-level
+``custom_params`` on the OpenAI routes) holding the router's own signature address."""
+
+MAX_DESTINATIONS = 32  # kept-open connections besides the default one (least recently used closed first)
+_BACKOFF = 20  # a send failing after t seconds skips its destination for _BACKOFF * t
+_LOG_EVERY = 60.0
 _RECONNECT = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
 
 
-class SignaturePublisher:
-    def __init__(self, url: str, timeout: float = 2.0, max_batch: int = 64, max_queue: int = 10_000):
-        self.url = url
+def parse_destination(url: str) -> tuple[str, str, int, str]:
+    """``(scheme, host, port, path)`` of ``tcp://host:port`` or ``http(s)://host[:port]/path``;
+    ValueError naming the URL otherwise."""
+    try:
         parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https", "tcp") or not parts.hostname or (
-                parts.scheme == "tcp" and not parts.port):
-            raise ValueError(f"publish URL must be http(s)://host:port/path or tcp://host:port, got {url!r}")
-        self._scheme, self._host = parts.scheme, parts.hostname
-        self._port = parts.port or (443 if parts.scheme == "https" else 80)
-        self._path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        self._conn: http.client.HTTPConnection | None = None
-        self._sock: socket.socket | None = None
-        self._poll = None  # select.poll() on _sock (set with it): sees the router closing it
-        self.connections = 0  # connections opened (stays 1 while the router keeps it open)
+        port = parts.port
+        ok = parts.scheme in ("http", "https", "tcp") and bool(parts.hostname) and (
+            parts.scheme != "tcp" or bool(port))
+    except (ValueError, TypeError, AttributeError):
+        ok = False
+    if not ok:
+        raise ValueError(f"publish URL must be http(s)://host:port/path or tcp://host:port, got {url!r}")
+    port = port or (443 if parts.scheme == "https" else 80)
+    return parts.scheme, parts.hostname, port, (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+
+
+class _Endpoint:
+    """One destination and its kept-open connection (touched by the sender thread only)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.scheme, self.host, self.port, self.path = parse_destination(url)
+        self.conn: http.client.HTTPConnection | None = None
+        self.sock: socket.socket | None = None
+        self.poll = None  # select.poll() on sock (set with it): sees the router closing it
+        self.retry_at = 0.0  # skipped (messages dropped) until then, after a slow failure
+        self.last_log = 0.0
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+class SignaturePublisher:
+    """Delivers ``submit``-ted messages to each one's destination (or the default ``url``)."""
+
+    def __init__(self, url: str | None = None, timeout: float = 2.0, max_batch: int = 64,
+                 max_queue: int = 10_000, max_destinations: int = MAX_DESTINATIONS) -> None:
+        if not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
+            raise ValueError(f"--eldr-publish-timeout must be a positive number of seconds, got {timeout!r}")
+        self.url = url
+        self._default = _Endpoint(url) if url else None  # ValueError for a bad URL
+        self._endpoints: OrderedDict[str, _Endpoint] = OrderedDict()  # per-request destinations, LRU order
+        self.max_destinations = max_destinations
         self.timeout = timeout
         self.max_batch = max_batch
-        self.queue: queue.Queue[dict] = queue.Queue(max_queue)
+        self.queue: queue.Queue[tuple[dict, str | None]] = queue.Queue(max_queue)
+        self.connections = 0  # connections opened (stays 1 per destination while its router keeps it open)
         self.sent = 0
         self.dropped = 0
         self.errors = 0
-        self._last_error_log = 0.0
+        self.invalid_destinations = 0  # messages whose destination was malformed (sent to the default)
+        self._last_invalid_log = 0.0
         self._thread = threading.Thread(target=self._run, name="eldr-publisher", daemon=True)
         self._thread.start()
 
-    def submit(self, message: dict) -> None:
+    def submit(self, message: dict, dest: str | None = None) -> None:
+        """Queue ``message`` for ``dest`` (None: the default address); never blocks (full: dropped)."""
         try:
-            self.queue.put_nowait(message)
+            self.queue.put_nowait((message, dest))
         except queue.Full:
             self.dropped += 1
 
+    @property
+    def destinations(self) -> list[str]:
+        """Per-request destinations held, least recently used first."""
+        return list(self._endpoints)
+
     def _run(self) -> None:
         while True:
-            batch = [self.queue.get()]
-            while len(batch) < self.max_batch:
+            items = [self.queue.get()]
+            while len(items) < self.max_batch:
                 try:
-                    batch.append(self.queue.get_nowait())
+                    items.append(self.queue.get_nowait())
                 except queue.Empty:
                     break
-            self._post(batch)
+            batches: dict[_Endpoint | None, list[dict]] = {}
+            for message, dest in items:
+                batches.setdefault(self._endpoint(dest), []).append(message)
+            for ep, batch in batches.items():
+                if ep is None:
+                    self.dropped += len(batch)  # no valid destination and no default address
+                    continue
+                self._post(ep, batch)
+                if ep is not self._default and self._endpoints.get(ep.url) is not ep:
+                    ep.close()  # evicted meanwhile (more destinations than max_destinations in one batch)
+
+    def _endpoint(self, dest: str | None) -> _Endpoint | None:
+        """The endpoint for ``dest``: held (most recently used now), new (validated once), or the default."""
+        if dest is None or dest == self.url:
+            return self._default
+        ep = self._endpoints.get(dest)
+        if ep is not None:
+            self._endpoints.move_to_end(dest)
+            return ep
+        try:
+            ep = _Endpoint(dest)
+        except ValueError:
+            self.invalid_destinations += 1
+            now = time.monotonic()
+            if now - self._last_invalid_log > _LOG_EVERY:
+                self._last_invalid_log = now
+                logger.warning("eldr-sglang: invalid signature return address %r; sending to %s instead",
+                               dest, self.url or "nowhere (dropped)")
+            return self._default
+        self._endpoints[dest] = ep
+        if len(self._endpoints) > self.max_destinations:
+            self._endpoints.popitem(last=False)[1].close()
+        return ep
 
     # ------------------------------------------------------------ transports
-    def _send_http(self, batch: list[dict]) -> None:
-        if self._conn is None:
-            cls = http.client.HTTPSConnection if self._scheme == "https" else http.client.HTTPConnection
-            self._conn = cls(self._host, self._port, timeout=self.timeout)
+    def _send_http(self, ep: _Endpoint, batch: list[dict]) -> None:
+        if ep.conn is None:
+            cls = http.client.HTTPSConnection if ep.scheme == "https" else http.client.HTTPConnection
+            ep.conn = cls(ep.host, ep.port, timeout=self.timeout)
             self.connections += 1
-        self._conn.request("POST", self._path, body=orjson.dumps(batch),
-                           headers={"Content-Type": "application/json"})
-        resp = self._conn.getresponse()
+        ep.conn.request("POST", ep.path, body=orjson.dumps(batch), headers={"Content-Type": "application/json"})
+        resp = ep.conn.getresponse()
         resp.read()
         if resp.status >= 400:
             raise RuntimeError(f"router answered HTTP {resp.status}")
 
-    def _send_tcp(self, batch: list[dict]) -> None:
-        sock = self._sock
+    def _send_tcp(self, ep: _Endpoint, batch: list[dict]) -> None:
         # the router never writes: a readable socket means it closed or reset the connection
         # (poll, not select: no limit on the descriptor number in a busy server process)
-        if sock is not None and self._poll.poll(0):
-            self._close()
-            sock = None
-        if sock is None:
-            sock = self._sock = socket.create_connection((self._host, self._port), timeout=self.timeout)
+        if ep.sock is not None and ep.poll.poll(0):
+            ep.close()
+        if ep.sock is None:
+            sock = socket.create_connection((ep.host, ep.port), timeout=self.timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._poll = select.poll()
-            self._poll.register(sock, select.POLLIN)
+            ep.poll = select.poll()
+            ep.poll.register(sock, select.POLLIN)
+            ep.sock = sock
             self.connections += 1
-        sock.sendall(b"".join(orjson.dumps(m) + b"\n" for m in batch))
+        ep.sock.sendall(b"".join(orjson.dumps(m) + b"\n" for m in batch))
 
-    def _post(self, batch: list[dict]) -> None:
-        send = self._send_tcp if self._scheme == "tcp" else self._send_http
+    def _post(self, ep: _Endpoint, batch: list[dict]) -> None:
+        t0 = time.monotonic()
+        if t0 < ep.retry_at:
+            self.dropped += len(batch)
+            return
+        send = self._send_tcp if ep.scheme == "tcp" else self._send_http
         try:
             try:
-                send(batch)
+                send(ep, batch)
             except _RECONNECT:
-                self._close()  # the router closed the idle kept-open connection: one retry
-                send(batch)
+                ep.close()  # the router closed the idle kept-open connection: one retry
+                send(ep, batch)
             self.sent += len(batch)
         except Exception as exc:
-            self._close()
+            ep.close()
             self.errors += 1
             self.dropped += len(batch)
             now = time.monotonic()
-            if now - self._last_error_log > 60:
-                self._last_error_log = now
+            ep.retry_at = now + _BACKOFF * (now - t0)
+            if now - ep.last_log > _LOG_EVERY:
+                ep.last_log = now
                 logger.warning("eldr-sglang: could not publish %d signature(s) to %s: %s",
-                               len(batch), self.url, exc)
-
-    def _close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+                               len(batch), ep.url, exc)

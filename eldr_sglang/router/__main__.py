@@ -1,15 +1,18 @@
-"""``python -m eldr_sglang.router``: launch the ELDR PD router.
+"""``python -m eldr_sglang.router`` (or ``eldr-router``): launch the ELDR PD router.
 
 Example::
 
     python -m eldr_sglang.router --prefill http://p0:30000 8998 --decode http://d0:30001 \\
-        --decode http://d1:30002 --policy eldr --calibration artifact.json --port 8000
+        --decode http://d1:30002 --policy eldr --calibration artifact.json --port 8000 \\
+        --signature-port 8001
 
-``--config FILE`` (YAML or JSON) takes the same keys as the flags (``signature-timeout``
-or ``signature_timeout``); flags given on the command line win. ``prefill`` is a
-list of "URL [PORT]" strings or [URL, PORT] pairs, ``decode`` a list of URLs.
-SIGTERM/SIGINT drain: new requests get 503, in-flight ones finish (up to
-``--drain-timeout``), then the process exits 0.
+Every flag is a :class:`~eldr_sglang.router.config.RouterConfig` field (same name
+and default). ``--config FILE`` (YAML or JSON) takes the same keys
+(``signature-timeout`` or ``signature_timeout``); flags on the command line win.
+``prefill`` is a list of "URL [PORT]" strings or [URL, PORT] pairs, ``decode`` a
+list of URLs. ``--workers N`` runs N router processes on one port (SO_REUSEPORT);
+process i takes signatures on ``--signature-port`` + i. SIGTERM/SIGINT drain: new
+requests get 503, in-flight ones finish (up to ``--drain-timeout``), then exit 0.
 """
 
 from __future__ import annotations
@@ -18,15 +21,20 @@ import argparse
 import asyncio
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import sys
+from dataclasses import replace
 from typing import Any, Optional
 
 
-from eldr_sglang.core.policies import POLICY_NAMES
+from dataclasses import MISSING, fields
+from typing import get_type_hints
+
+from eldr_sglang.core.policies import policy_names, policy_spec
 from eldr_sglang.router.app import Router, start_router
-from eldr_sglang.router.signatures import load_calibration
+from eldr_sglang.router.config import RouterConfig, validate_worker_url
 
 
 def _prefill_arg(values: list[str]) -> tuple[str, Optional[int]]:
@@ -46,48 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar=("URL", "BOOTSTRAP_PORT"), help="prefill server URL [bootstrap port]; repeat")
     p.add_argument("--decode", action="append", metavar="URL",
                    help="decode server URL; repeat (order = calibration cluster order)")
-    p.add_argument("--policy", default="eldr",
-                   choices=sorted(set(POLICY_NAMES) | {"rr", "power_of_two"}))
-    p.add_argument("--calibration", help="calibration artifact (required for --policy eldr)")
-    p.add_argument("--tau", type=float, default=None, help="locality band (default: artifact's, else 0.1)")
-    p.add_argument("--signature-timeout", type=float, default=30.0,
-                   help="seconds to wait for a prefill signature before falling back to JSQ")
-    p.add_argument("--signature-ttl", type=float, default=30.0,
-                   help="seconds an early (unclaimed) signature message is kept")
-    p.add_argument("--signature-port", type=int, default=None,
-                   help="also take signature messages as newline-delimited JSON on this TCP "
-                   "port (engines: --eldr-publish tcp://ROUTER:PORT; 0 = any free port)")
-    p.add_argument("--signature-buffer", type=int, default=4096,
-                   help="max early (unclaimed) signature messages kept, oldest dropped first")
-    p.add_argument("--label-field", help="body field holding the request label (domain policy); "
-                   "removed before forwarding")
-    p.add_argument("--label-header", help="HTTP header holding the request label (domain policy)")
-    p.add_argument("--domain-map", help="JSON (inline or file): label -> [decode index or URL, ...]")
-    p.add_argument("--health-interval", type=float, default=10.0,
-                   help="seconds between active GET /health checks of every worker (0: off)")
-    p.add_argument("--health-timeout", type=float, default=5.0, help="health check timeout (s)")
-    p.add_argument("--health-failures", type=int, default=2,
-                   help="consecutive failed health checks that take a worker out")
-    p.add_argument("--health-cooldown", type=float, default=10.0,
-                   help="seconds a worker's circuit breaker stays open before a trial request")
-    p.add_argument("--breaker-threshold", type=int, default=5,
-                   help="consecutive request failures that open a worker's circuit breaker "
-                   "(a refused connection opens it at once)")
-    p.add_argument("--request-timeout", type=float, default=1800.0)
-    p.add_argument("--max-body-mb", type=float, default=32.0,
-                   help="largest accepted request body (MiB); larger gets 413")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM: seconds to let in-flight requests finish")
-    p.add_argument("--admin-token", help="require 'Authorization: Bearer TOKEN' on admin "
-                   "endpoints (default: admin endpoints answer loopback clients only)")
-    p.add_argument("--log-decisions", action="store_true",
-                   help="log every routing decision at INFO (otherwise DEBUG)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--log-level", default="info")
-    p.add_argument("--event-loop", choices=("auto", "uvloop", "asyncio"), default="auto",
-                   help="auto: uvloop when installed, else asyncio's own loop")
+    hints = get_type_hints(RouterConfig)
+    for f in fields(RouterConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = None if f.default is MISSING else f.default
+        help_text = f.metadata.get("help", "") + (f" (default: {default})" if default is not None else "")
+        if f.metadata.get("flag"):
+            p.add_argument(flag, action="store_true", default=default, help=help_text)
+            continue
+        kind = next(t for t in (int, float, str) if t in getattr(hints[f.name], "__args__", (hints[f.name],)))
+        choices = f.metadata.get("choices")
+        if f.name == "policy":
+            choices = policy_names(aliases=True)
+        p.add_argument(flag, type=kind, default=default, choices=choices, help=help_text)
     return p
 
 
@@ -157,45 +136,43 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.prefill = [_prefill_arg(v) for v in args.prefill]
     except (argparse.ArgumentTypeError, ValueError) as e:
         p.error(str(e))
-    if args.policy == "eldr" and not args.calibration:
-        p.error("--policy eldr needs --calibration")
-    if args.policy == "domain" and not args.domain_map:
-        p.error("--policy domain needs --domain-map")
-    if args.signature_port is not None and not 0 <= args.signature_port <= 65535:
-        p.error(f"--signature-port: expected 0-65535, got {args.signature_port}")
-    if args.signature_port is not None and args.signature_port == args.port and args.port != 0:
-        p.error(f"--signature-port {args.signature_port} is the router's --port; pick another")
+    try:
+        for url in args.decode:
+            validate_worker_url(url)
+        for url, _ in args.prefill:
+            validate_worker_url(url)
+    except ValueError as e:
+        p.error(str(e))
+    spec = policy_spec(args.policy)
+    if spec.needs_artifact and not args.calibration:
+        p.error(f"--policy {args.policy} needs --calibration")
+    if spec.needs_domain_map and not args.domain_map:
+        p.error(f"--policy {args.policy} needs --domain-map")
+    try:
+        args.router_config = config_of(args)
+    except ValueError as e:
+        name, _, rest = str(e).partition(":")
+        known = {f.name for f in fields(RouterConfig)}
+        p.error(f"--{name.replace('_', '-')}:{rest}" if name in known else str(e))
     return args
 
 
-def _load_json(text: str) -> dict:
-    if os.path.exists(text):
-        with open(text) as f:
-            return json.load(f)
-    return json.loads(text)
+def config_of(args: argparse.Namespace) -> RouterConfig:
+    """The :class:`RouterConfig` of parsed flags (ValueError naming a bad field)."""
+    return RouterConfig(**{f.name: getattr(args, f.name) for f in fields(RouterConfig)})
 
 
 def build_router(args: argparse.Namespace) -> Router:
-    artifact = load_calibration(args.calibration) if args.calibration else None
-    return Router(
-        args.prefill, args.decode, args.policy, artifact=artifact, tau=args.tau,
-        domain_map=_load_json(args.domain_map) if args.domain_map else None,
-        label_field=args.label_field, label_header=args.label_header,
-        signature_timeout=args.signature_timeout, signature_ttl=args.signature_ttl,
-        signature_buffer=args.signature_buffer,
-        health_cooldown=args.health_cooldown, health_interval=args.health_interval,
-        health_timeout=args.health_timeout, health_failures=args.health_failures,
-        breaker_threshold=args.breaker_threshold, request_timeout=args.request_timeout,
-        max_body_mb=args.max_body_mb, admin_token=args.admin_token,
-        log_decisions=args.log_decisions, calibration_path=args.calibration, seed=args.seed,
-        signature_listen=(args.host, args.signature_port) if args.signature_port is not None else None)
+    return Router(args.prefill, args.decode, config=args.router_config)
 
 
-async def serve(router: Router, host: str, port: int, drain_timeout: float) -> None:
+async def serve(router: Router, host: str, port: int, drain_timeout: float,
+                reuse_port: bool = False) -> None:
     """Serve until SIGTERM/SIGINT, then drain: 503 for new work, finish in-flight, exit."""
-    runner, bound = await start_router(router, host, port)
+    runner, bound = await start_router(router, host, port, reuse_port=reuse_port)
     log = logging.getLogger("eldr_sglang.router")
-    log.info("listening on %s:%d", host, bound)
+    log.info("listening on %s:%d (pid %d)%s", host, bound, os.getpid(),
+             f", signatures at {router.return_address}" if router.return_address else "")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -208,22 +185,78 @@ async def serve(router: Router, host: str, port: int, drain_timeout: float) -> N
         await runner.cleanup()
 
 
+def _serve_process(args: argparse.Namespace, index: int) -> None:
+    """One router process of ``--workers N`` (index i takes --signature-port + i)."""
+    c = args.router_config
+    if c.signature_port:
+        args.router_config = c = replace(c, signature_port=c.signature_port + index)
+    _setup_logging(c.log_level)
+    try:
+        router = build_router(args)
+    except (ValueError, OSError) as e:
+        sys.exit(f"eldr router: {e}")
+    try:
+        run_loop(serve(router, c.host, c.port, c.drain_timeout, reuse_port=c.workers > 1),
+                 c.event_loop)
+    except OSError as e:  # a port in use, an address not on this host
+        sys.exit(f"eldr router: cannot listen on --host {c.host} --port {c.port}"
+                 f"{'' if c.signature_port is None else f' / --signature-port {c.signature_port}'}: {e}")
+
+
+def _supervise(args: argparse.Namespace) -> None:
+    """Start ``--workers`` processes; forward SIGTERM/SIGINT; exit when all ended
+    (a process that dies stops the others: the orchestrator restarts the router)."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_serve_process, args=(args, i), name=f"eldr-router-{i}")
+             for i in range(args.router_config.workers)]
+    for pr in procs:
+        pr.start()
+    stopping = False
+
+    def forward(signum, _frame) -> None:
+        nonlocal stopping
+        stopping = True
+        for pr in procs:
+            if pr.is_alive():
+                os.kill(pr.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    rc = 0
+    while any(pr.is_alive() for pr in procs):
+        for pr in procs:
+            pr.join(0.2)
+            if pr.exitcode not in (None, 0) and not stopping:
+                logging.getLogger("eldr_sglang.router").error(
+                    "router process %s exited with %s; stopping the others", pr.name, pr.exitcode)
+                rc = 1
+                forward(signal.SIGTERM, None)
+    sys.exit(rc or max((pr.exitcode or 0) for pr in procs))
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    c = args.router_config
+    _setup_logging(c.log_level)
+    if c.workers > 1:
+        _supervise(args)
+        return
     try:
         router = build_router(args)
     except (ValueError, OSError) as e:
         sys.exit(f"eldr router: {e}")
     logging.getLogger("eldr_sglang.router").info(
-        "policy=%s tau=%s prefill=%s decode=%s", args.policy, router.tau,
+        "policy=%s tau=%s prefill=%s decode=%s", c.policy, router.tau,
         [s.url for s in router.prefills], [s.url for s in router.decodes])
-    try:
-        run_loop(serve(router, args.host, args.port, args.drain_timeout), args.event_loop)
-    except OSError as e:  # a port in use, an address not on this host
-        sys.exit(f"eldr router: cannot listen on --host {args.host} --port {args.port}"
-                 f"{'' if args.signature_port is None else f' / --signature-port {args.signature_port}'}: {e}")
+    _serve_process(args, 0)
+
+
+
 
 
 def run_loop(coro, event_loop: str = "auto"):

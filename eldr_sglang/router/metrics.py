@@ -15,6 +15,9 @@ Latency definitions (seconds):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, generate_latest)
 
@@ -27,12 +30,35 @@ _E2E = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 
 _BAND = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 128)
 _SIM = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99, 1.0)
 
-BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
+
+
+@dataclass(slots=True)
+class WorkerMetrics:
+    """One worker's metric children, looked up once (``labels()`` costs ~5 us)."""
+
+    inflight: Any
+    healthy: Any
+    breaker: Any
+    requests: Any
+    reported_load: Any
 
 
 class RouterMetrics:
+    """The router's only record of what happened: ``status()`` and tests read these."""
+
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self.events = Counter("eldr_router_events", "Router events without a metric of their "
+                              "own (requests, aborts, client disconnects, refusals, reloads, ...)",
+                              ["event"], registry=r)
+        self.signature_wait_limit = Gauge("eldr_router_signature_wait_limit_seconds",
+                                          "Current (adaptive) signature wait limit", registry=r)
+        self.reported_load = Gauge("eldr_router_reported_load",
+                                   "Requests a decode server reports running + waiting "
+                                   "(GET /v1/loads), all routers together", ["role", "server"],
+                                   registry=r)
+        self.overloaded = Counter("eldr_router_overloaded", "Client requests refused with 429: "
+                                  "in-flight limit reached", registry=r)
         self.requests = Counter("eldr_router_requests", "Requests routed to a decode server",
                                 ["policy", "decode"], registry=r)
         self.decisions = Counter("eldr_router_decisions",
@@ -91,6 +117,46 @@ class RouterMetrics:
                            ["state"], registry=r)
         self.reloads = Counter("eldr_router_calibration_reloads", "Calibration reloads",
                                ["outcome"], registry=r)
+
+    def worker(self, role: str, url: str) -> WorkerMetrics:
+        lab = (role, url)
+        return WorkerMetrics(self.inflight.labels(*lab), self.healthy.labels(*lab),
+                             self.breaker.labels(*lab), self.worker_requests.labels(*lab),
+                             self.reported_load.labels(*lab))
+
+    def event(self, name: str, n: int = 1) -> None:
+        self.events.labels(name).inc(n)
+
+    def value(self, metric: str, **labels: str) -> float:
+        """Sum of the samples of counter/gauge ``metric`` (name without ``eldr_router_``
+        or ``_total``) whose labels include ``labels``; 0 when none."""
+        name = f"eldr_router_{metric}"
+        total = 0.0
+        for family in self.registry.collect():
+            if family.name != name:
+                continue
+            for s in family.samples:
+                if s.name in (name, f"{name}_total") and all(
+                        s.labels.get(k) == v for k, v in labels.items()):
+                    total += s.value
+        return total
+
+    def counters(self) -> dict[str, float]:
+        """Every counter sample as ``name{label=value,...}``: value (for status pages)."""
+        out: dict[str, float] = {}
+        for family in self.registry.collect():
+            if family.type != "counter":
+                continue
+            short = family.name.removeprefix("eldr_router_")
+            for s in family.samples:
+                if s.name.endswith("_total") and s.value:
+                    if family.name == "eldr_router_events":
+                        key = s.labels["event"]
+                    else:
+                        key = short + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                                       + "}" if s.labels else "")
+                    out[key] = s.value
+        return out
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -18,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, Callable, Optional
 
 import numpy as np
 
+from eldr_sglang.core.artifact import DEFAULT_TAU
 from eldr_sglang.core.counts_codec import unpack_counts
 
 MAX_ROOM = 2**64
@@ -76,63 +77,101 @@ class SignatureBoard:
     """Rendezvous of requests (waiting by bootstrap room) and signature messages.
 
     A message whose room has a waiter resolves it; otherwise it is buffered for
-    ``ttl`` seconds (at most ``max_buffered`` rooms, oldest dropped first) so a
-    waiter registered later still gets it. Bounded: waiters are removed by
-    :meth:`discard` when their request ends (however it ends), buffered messages by
-    TTL/size on every post/expect and by the router's periodic :meth:`sweep`.
-    A buffered message holds its counts array (n_sel x E, e.g. 24 x 128 int64 =
-    24 KB), hence the default cap of 4096 rooms (~100 MB worst case).
+    ``ttl`` seconds so a waiter registered later still gets it, within
+    ``max_buffered`` messages and ``max_bytes`` of counts (oldest dropped first).
+    Waiters are removed by :meth:`discard` when their request ends (however it
+    ends), buffered messages by TTL/size on every post/expect and by the router's
+    periodic :meth:`sweep`.
     """
 
-    def __init__(self, ttl: float = 30.0, max_buffered: int = 4096,
+    OVERHEAD = 512  # bytes of a buffered message besides its counts array (dict, ints)
+
+    def __init__(self, ttl: float = 10.0, max_buffered: int = 4096, max_bytes: int = 64 << 20,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl = ttl
         self.max_buffered = max_buffered
+        self.max_bytes = max_bytes
         self.clock = clock
         self.waiters: dict[int, asyncio.Future] = {}
-        self.buffer: "OrderedDict[int, tuple[float, dict]]" = OrderedDict()
+        self.buffer: "OrderedDict[int, tuple[float, dict, int]]" = OrderedDict()
+        self.buffered_bytes = 0
         self.expired = 0
 
-    def sweep(self) -> None:
-        """Drop expired buffered messages (and the oldest beyond ``max_buffered``)."""
-        self._sweep()
+    @classmethod
+    def size_of(cls, msg: dict) -> int:
+        counts = msg.get("counts")
+        return cls.OVERHEAD + (counts.nbytes if isinstance(counts, np.ndarray) else 0)
 
-    def _sweep(self) -> None:
+    def sweep(self) -> None:
+        """Drop expired buffered messages (and the oldest beyond the bounds)."""
         now = self.clock()
         while self.buffer:
-            room, (t, _) = next(iter(self.buffer.items()))
-            if now - t < self.ttl and len(self.buffer) <= self.max_buffered:
+            room, (t, _, size) = next(iter(self.buffer.items()))
+            if (now - t < self.ttl and len(self.buffer) <= self.max_buffered
+                    and self.buffered_bytes <= self.max_bytes):
                 break
             self.buffer.popitem(last=False)
+            self.buffered_bytes -= size
             self.expired += 1
 
     def expect(self, room: int) -> asyncio.Future:
         """Register interest in ``room``; the future resolves to the message."""
-        self._sweep()
+        self.sweep()
         fut = asyncio.get_running_loop().create_future()
         early = self.buffer.pop(room, None)
         if early is not None:
+            self.buffered_bytes -= early[2]
             fut.set_result(early[1])
         self.waiters[room] = fut
         return fut
 
-    def post(self, msg: dict) -> bool:
-        """Deliver a validated message; True if a waiting request got it."""
+    def post(self, msg: dict, buffer: bool = True) -> bool:
+        """Deliver a validated message; True if a waiting request got it. Otherwise it
+        is buffered (``buffer``) or dropped."""
         room = msg["bootstrap_room"]
         fut = self.waiters.get(room)
         if fut is not None:
             if not fut.done():
                 fut.set_result(msg)
             return True
-        self.buffer[room] = (self.clock(), msg)
-        self.buffer.move_to_end(room)
-        self._sweep()
+        if buffer:
+            size = self.size_of(msg)
+            old = self.buffer.pop(room, None)
+            if old is not None:
+                self.buffered_bytes -= old[2]
+            self.buffer[room] = (self.clock(), msg, size)
+            self.buffered_bytes += size
+            self.sweep()
         return False
 
     def discard(self, room: int) -> None:
         fut = self.waiters.pop(room, None)
         if fut is not None and not fut.done():
             fut.cancel()
+
+
+class WaitLimit:
+    """The signature wait: ``factor`` x p99 of recent waits, within [``floor``, ``ceiling``].
+
+    Until ``min_samples`` waits were seen (or with ``factor`` 0) it is the ceiling.
+    A request whose signature does not come within it falls back (counted)."""
+
+    def __init__(self, ceiling: float, floor: float = 0.5, factor: float = 4.0,
+                 window: int = 512, min_samples: int = 32, every: int = 32) -> None:
+        self.ceiling, self.floor, self.factor = ceiling, min(floor, ceiling), factor
+        self.samples: deque[float] = deque(maxlen=window)
+        self.min_samples, self.every = min_samples, every
+        self._since = 0
+        self.value = ceiling
+
+    def observe(self, waited: float) -> None:
+        """A signature arrived after ``waited`` seconds."""
+        self.samples.append(waited)
+        self._since += 1
+        if self.factor > 0 and len(self.samples) >= self.min_samples and self._since >= self.every:
+            self._since = 0
+            p99 = float(np.quantile(np.fromiter(self.samples, float), 0.99))
+            self.value = min(self.ceiling, max(self.floor, self.factor * p99))
 
 
 class SignatureEncoder:
@@ -146,12 +185,24 @@ class SignatureEncoder:
         self.artifact = artifact
         self.layers = [int(x) for x in artifact.layers]
         self.centroids = np.asarray(artifact.centroids, dtype=np.float32)
-        self.tau = float(getattr(artifact, "tau", 0.1) or 0.1)
+        tau = getattr(artifact, "tau", None)
+        self.tau = DEFAULT_TAU if tau is None else float(tau)  # 0 is a valid tau
+        idf = getattr(artifact, "idf", None)
+        # [n_sel, E] the counts of a message must have (None: not known, not checked)
+        self.counts_shape = tuple(np.shape(idf)) if idf is not None and np.ndim(idf) == 2 else None
 
-    def encode(self, msg: dict) -> np.ndarray:
-        if msg["layers"] != self.layers:  # ints (parse_message checked them)
+    def check(self, msg: dict) -> None:
+        """SignatureError unless the message's layers and counts shape fit the artifact."""
+        if msg["layers"] != self.layers:
             raise SignatureError(
                 "layer_mismatch", f"message layers {msg['layers']} != artifact {self.layers}")
+        shape = np.shape(msg["counts"])
+        if self.counts_shape is not None and shape != self.counts_shape:
+            raise SignatureError("bad_counts", f"counts shape {list(shape)} != artifact's "
+                                 f"{list(self.counts_shape)} (layers x experts)")
+
+    def encode(self, msg: dict) -> np.ndarray:
+        self.check(msg)
         try:
             vec = np.asarray(self.artifact.signature(np.asarray(msg["counts"])),
                              dtype=np.float32).reshape(-1)

@@ -7,15 +7,23 @@ worker. It costs about 0.15 ms less per request than ``aiohttp.ClientSession.pos
 on these machines (``benchmark/bench_router_vs_sglang_router.py``). Everything else
 the router sends (aborts, health checks, admin fan-outs) stays on aiohttp.
 
+Time limits, per client and per request: ``timeout`` (the whole answer),
+``first_byte_timeout`` (status line and headers, from the request's write) and
+``idle_timeout`` (each wait for more body bytes: a stream that stalls). Idle
+connections are closed by a timer once idle for ``keepalive`` seconds.
+
 Errors say whether the worker can have seen the request:
 :class:`ConnectError` (never connected: safe to send elsewhere),
-:class:`Disconnected` (connection lost after sending) and :class:`Timeout`.
+:class:`Disconnected` (connection lost after sending) and :class:`Timeout` (with the
+``phase`` that ran out). :class:`LocalResourceError` is the router's own fault (out of
+file descriptors or memory while connecting), not the worker's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import ssl
 import time
 import urllib.parse
@@ -23,10 +31,11 @@ from typing import AsyncIterator, Optional
 
 import httptools
 
-__all__ = ["UpstreamError", "ConnectError", "Disconnected", "Timeout", "UpstreamResponse",
-           "UpstreamClient"]
+__all__ = ["UpstreamError", "ConnectError", "LocalResourceError", "Disconnected", "Timeout",
+           "UpstreamResponse", "UpstreamClient"]
 
 PAUSE_BYTES = 1 << 20  # stop reading a connection holding this much unread body
+LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 class UpstreamError(Exception):
@@ -37,18 +46,33 @@ class ConnectError(UpstreamError):
     """No connection (refused, unreachable, connect timeout): the worker never saw the request."""
 
 
+class LocalResourceError(UpstreamError):
+    """No connection because the router ran out of file descriptors or memory."""
+
+
 class Disconnected(UpstreamError):
     """The connection broke after the request was sent (or the answer was not HTTP)."""
 
 
 class Timeout(UpstreamError, asyncio.TimeoutError):
-    """No complete answer within the request timeout."""
+    """A time limit ran out; ``phase`` says which: "first_byte", "idle" or "total"."""
+
+    def __init__(self, message: str = "worker answer timed out", phase: str = "total") -> None:
+        super().__init__(message)
+        self.phase = phase
+
+
+def _limit(value: Optional[float], default: Optional[float] = None) -> Optional[float]:
+    """``value``, or ``default`` when None; 0 or negative means no limit (None)."""
+    value = default if value is None else value
+    return value if value is not None and value > 0 else None
 
 
 class _Conn(asyncio.Protocol):
     """One connection; parses one response at a time into an :class:`UpstreamResponse`."""
 
-    def __init__(self) -> None:
+    def __init__(self, live: set[_Conn]) -> None:
+        self.live = live  # the client's open connections
         self.transport: Optional[asyncio.Transport] = None
         self.parser: Optional[httptools.HttpResponseParser] = None  # a new one per request
         self.resp: Optional[UpstreamResponse] = None
@@ -58,6 +82,7 @@ class _Conn(asyncio.Protocol):
     # protocol
     def connection_made(self, transport) -> None:
         self.transport = transport
+        self.live.add(self)
 
     def data_received(self, data: bytes) -> None:
         if self.resp is None:  # bytes nobody asked for: the connection is unusable
@@ -71,6 +96,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Optional[BaseException]) -> None:
         self.closed = True
+        self.live.discard(self)
         if self.resp is not None:
             self.resp._eof()
 
@@ -90,6 +116,7 @@ class _Conn(asyncio.Protocol):
 
     def close(self) -> None:
         self.closed = True
+        self.live.discard(self)
         if self.transport is not None:
             self.transport.close()
 
@@ -99,11 +126,12 @@ class UpstreamResponse:
 
     Always :meth:`release` it (a fully read answer gives the connection back)."""
 
-    def __init__(self, client: "UpstreamClient", key: tuple, conn: _Conn,
-                 deadline: Optional[float]) -> None:  # loop time, None: no limit
+    def __init__(self, client: UpstreamClient, key: tuple, conn: _Conn, deadline: Optional[float],
+                 total: Optional[float], idle: Optional[float]) -> None:
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
-        self._client, self._key, self._conn, self._deadline = client, key, conn, deadline
+        self._client, self._key, self._conn = client, key, conn
+        self._deadline, self._total, self._idle = deadline, total, idle  # loop time; seconds
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
         self._done = False
@@ -156,18 +184,27 @@ class UpstreamResponse:
                 return True
         return False
 
-    async def _wait(self, fut: asyncio.Future) -> None:
+    async def _wait(self, fut: asyncio.Future, limit: Optional[float], phase: str) -> None:
+        """Await ``fut`` within ``limit`` seconds (for ``phase``) and the total deadline."""
+        end = asyncio.get_running_loop().time() + limit if limit is not None else None
+        if end is not None and (self._deadline is None or end < self._deadline):
+            deadline = end
+            message = (f"no answer headers within {limit} s" if phase == "first_byte"
+                       else f"no body bytes for {limit} s")
+        else:
+            deadline, phase = self._deadline, "total"
+            message = f"no complete answer within {self._total} s"
         try:
-            async with asyncio.timeout_at(self._deadline):
+            async with asyncio.timeout_at(deadline):
                 await fut
         except UpstreamError:
             raise
         except TimeoutError:
-            raise Timeout("worker answer timed out") from None
+            raise Timeout(f"worker answer timed out: {message}", phase) from None
 
-    async def _start(self) -> None:
+    async def _start(self, first_byte: Optional[float]) -> None:
         try:
-            await self._wait(self._head)
+            await self._wait(self._head, first_byte, "first_byte")
         except BaseException:
             self.release()
             raise
@@ -188,7 +225,7 @@ class UpstreamResponse:
             if self._error is not None:
                 raise self._error
             self._waiter = asyncio.get_running_loop().create_future()
-            await self._wait(self._waiter)
+            await self._wait(self._waiter, self._idle, "idle")
 
     async def read(self) -> bytes:
         if self._done and len(self._chunks) <= 1:
@@ -211,17 +248,35 @@ class UpstreamResponse:
 
 
 class UpstreamClient:
-    """Keep-alive POSTs: ``resp = await client.post(url, body)``, then read and release."""
+    """Keep-alive POSTs: ``resp = await client.post(url, body)``, then read and release.
+
+    Limits in seconds; None, 0 or negative: no limit."""
 
     def __init__(self, timeout: Optional[float] = None, connect_timeout: Optional[float] = None,
-                 keepalive: float = 3.0, user_agent: str = "eldr-router") -> None:
-        self.timeout = timeout if timeout and timeout > 0 else None
-        self.connect_timeout = connect_timeout if connect_timeout and connect_timeout > 0 else None
+                 keepalive: float = 3.0, user_agent: str = "eldr-router", *,
+                 first_byte_timeout: Optional[float] = None,
+                 idle_timeout: Optional[float] = None) -> None:
+        self.timeout = _limit(timeout)
+        self.connect_timeout = _limit(connect_timeout)
+        self.first_byte_timeout = _limit(first_byte_timeout)
+        self.idle_timeout = _limit(idle_timeout)
         self.keepalive = keepalive
         self.user_agent = user_agent
-        self._idle: dict[tuple, list[_Conn]] = {}
+        self._idle: dict[tuple, list[_Conn]] = {}  # oldest first
+        self._live: set[_Conn] = set()
+        self._sweeper: Optional[asyncio.TimerHandle] = None
         self._targets: dict[str, tuple] = {}  # url -> (host, port, ssl, path, host header)
         self._ssl: Optional[ssl.SSLContext] = None
+
+    @property
+    def idle_connections(self) -> int:
+        """Open connections waiting in the pool."""
+        return sum(not c.closed for pool in self._idle.values() for c in pool)
+
+    @property
+    def open_connections(self) -> int:
+        """Open connections, idle or in use."""
+        return len(self._live)
 
     def _target(self, url: str) -> tuple:
         t = self._targets.get(url)
@@ -238,8 +293,13 @@ class UpstreamClient:
         return t
 
     def _put(self, key: tuple, conn: _Conn) -> None:
+        if self.keepalive <= 0:
+            conn.close()
+            return
         conn.idle_since = time.monotonic()
         self._idle.setdefault(key, []).append(conn)
+        if self._sweeper is None:
+            self._arm_sweeper()
 
     def _get(self, key: tuple) -> Optional[_Conn]:
         pool = self._idle.get(key)
@@ -251,6 +311,24 @@ class UpstreamClient:
             conn.close()
         return None
 
+    def _sweep(self) -> None:
+        """Close the connections idle for ``keepalive``; runs again while any stay idle."""
+        self._sweeper = None
+        now = time.monotonic()
+        for key, pool in list(self._idle.items()):
+            for conn in pool:
+                if now - conn.idle_since >= self.keepalive:
+                    conn.close()
+            pool[:] = [c for c in pool if not c.closed]
+            if not pool:
+                del self._idle[key]
+        if self._idle:
+            self._arm_sweeper()
+
+    def _arm_sweeper(self) -> None:
+        self._sweeper = asyncio.get_running_loop().call_later(max(self.keepalive / 2, 0.05),
+                                                              self._sweep)
+
     async def _connect(self, host: str, port: int, secure: bool) -> _Conn:
         loop = asyncio.get_running_loop()
         if secure and self._ssl is None:
@@ -258,34 +336,45 @@ class UpstreamClient:
         try:
             async with asyncio.timeout(self.connect_timeout):
                 _, conn = await loop.create_connection(
-                    _Conn, host, port, ssl=self._ssl if secure else None)
+                    lambda: _Conn(self._live), host, port, ssl=self._ssl if secure else None)
         except TimeoutError:
             raise ConnectError(f"connect to {host}:{port} timed out") from None
         except OSError as e:
+            if e.errno in LOCAL_ERRNOS:
+                raise LocalResourceError(f"router's own limit reached (not the worker's fault) "
+                                         f"connecting to {host}:{port}: {e}") from None
             raise ConnectError(f"cannot connect to {host}:{port}: {e}") from None
         return conn
 
     async def post(self, url: str, body: bytes, content_type: bytes = b"application/json",
-                   timeout: Optional[float] = None) -> UpstreamResponse:
-        """Send ``body``; returns once the status line and headers arrived."""
+                   timeout: Optional[float] = None, *, first_byte_timeout: Optional[float] = None,
+                   idle_timeout: Optional[float] = None) -> UpstreamResponse:
+        """Send ``body``; returns once the status line and headers arrived.
+
+        Each limit overrides the client's when not None (0 or negative: no limit)."""
         host, port, secure, path, netloc = self._target(url)
         key = (host, port, secure)
-        limit = timeout if timeout is not None else self.timeout
-        deadline = asyncio.get_running_loop().time() + limit if limit else None
+        total = _limit(timeout, self.timeout)
+        deadline = asyncio.get_running_loop().time() + total if total else None
         conn = self._get(key)
         if conn is None or conn.transport.is_closing():
             conn = await self._connect(host, port, secure)
-        resp = UpstreamResponse(self, key, conn, deadline)
+        resp = UpstreamResponse(self, key, conn, deadline, total,
+                                _limit(idle_timeout, self.idle_timeout))
         conn.resp = resp
         conn.parser = httptools.HttpResponseParser(conn)
         conn.transport.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nUser-Agent: %s\r\n"
                              b"Content-Type: %s\r\nContent-Length: %d\r\n\r\n%s" % (
                                  path.encode(), netloc.encode(), self.user_agent.encode(),
                                  content_type, len(body), body))
-        await resp._start()
+        await resp._start(_limit(first_byte_timeout, self.first_byte_timeout))
         return resp
 
     def close(self) -> None:
+        """Close the idle connections and stop the sweeper (connections in use stay open)."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for pool in self._idle.values():
             for conn in pool:
                 conn.close()

@@ -1,240 +1,14 @@
-"""Decode-routing policies: small pure objects shared by the router and the simulator.
-
-Every policy answers one question::
-
-    policy.choose(request, loads, allowed=None) -> server index
-    policy.explain(request, loads, allowed=None) -> Decision (same pick + why)
-
-``request`` is a :class:`RouteRequest` (optional unit signature vector, optional
-label), ``loads`` the in-flight request count per decode server (index order),
-``allowed`` an optional mask of servers that may be picked (e.g. healthy ones; an
-all-False or missing mask means "all"). Policies follow a filter -> score -> pick
-shape and hold no I/O, clock or asyncio: numpy only, seeded RNG where random.
-
-Servers are identified by their position. ``add_server()`` appends one at the end,
-``remove_server(i)`` deletes position ``i`` (later servers shift down by one, like
-``list.pop``). Policies with per-server state (eldr's centroid ownership, domain's
-label sets) keep that state consistent; the caller keeps its server list in the
-same order.
-"""
+"""ELDR: signature similarity to per-server centroids, least loaded within tau of the best."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from itertools import chain
-from typing import Mapping, Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
-__all__ = [
-    "RouteRequest",
-    "Decision",
-    "Policy",
-    "RandomPolicy",
-    "RoundRobinPolicy",
-    "JSQPolicy",
-    "P2CPolicy",
-    "DomainPolicy",
-    "CentroidOwnership",
-    "EldrPolicy",
-    "POLICY_NAMES",
-    "make_policy",
-]
-
-_EPS = 1e-9
-
-
-@dataclass(frozen=True)
-class RouteRequest:
-    """What a policy may know about a request: its signature and/or its label."""
-
-    signature: Optional[np.ndarray] = None
-    label: Optional[str] = None
-
-
-@dataclass(slots=True)  # not frozen: a frozen __init__ costs ~2 us per decision
-class Decision:
-    """A pick and why (``Policy.explain``): same index ``choose()`` returns for the same
-    state. ``band``/similarities are only set by policies that score servers (eldr)."""
-
-    index: int
-    policy: str
-    reason: str = ""  # "band" | "no_signature" | "pick"
-    band: Optional[tuple[int, ...]] = None  # eldr: allowed servers within s* - tau
-    best_similarity: Optional[float] = None  # eldr: s*
-    server_similarities: Optional[np.ndarray] = None  # eldr: [N] max over owned centroids
-    centroid_similarities: Optional[np.ndarray] = None  # eldr: [K], centroid order
-
-    def top(self, n: int = 3) -> list[tuple[int, float]]:
-        """The ``n`` most similar servers as (index, similarity), best first."""
-        if self.server_similarities is None:
-            return []
-        s = self.server_similarities
-        order = np.argsort(-s, kind="stable")[:n]
-        return [(int(i), float(s[i])) for i in order]
-
-
-def _candidates(n: int, allowed: Optional[Sequence[bool]]) -> np.ndarray:
-    """Filter step: indices that may be picked (all of them if none is allowed)."""
-    if n <= 0:
-        raise ValueError("no servers to choose from")
-    if allowed is None:
-        return np.arange(n)
-    mask = np.asarray(allowed, dtype=bool)
-    if mask.shape != (n,):
-        raise ValueError(f"allowed mask has shape {mask.shape}, expected ({n},)")
-    idx = np.flatnonzero(mask)
-    return idx if idx.size else np.arange(n)
-
-
-class Policy:
-    """Base class. Subclasses implement :meth:`choose`."""
-
-    name: str = "base"
-    needs_signature: bool = False
-
-    def choose(
-        self,
-        request: RouteRequest,
-        loads: Sequence[int],
-        allowed: Optional[Sequence[bool]] = None,
-    ) -> int:
-        raise NotImplementedError
-
-    def explain(
-        self,
-        request: RouteRequest,
-        loads: Sequence[int],
-        allowed: Optional[Sequence[bool]] = None,
-    ) -> Decision:
-        """Like :meth:`choose` (same pick, same state change) plus the reason."""
-        return Decision(self.choose(request, loads, allowed), self.name, "pick")
-
-    def add_server(self) -> None:
-        """A server was appended at the end of the server list."""
-
-    def remove_server(self, index: int) -> None:
-        """The server at ``index`` was removed; later servers shift down."""
-
-    def describe(self) -> dict:
-        """JSON-able state for status pages."""
-        return {"policy": self.name}
-
-
-class RandomPolicy(Policy):
-    """Uniform random among the allowed servers."""
-
-    name = "random"
-
-    def __init__(self, seed: Optional[int] = 0) -> None:
-        self.rng = np.random.default_rng(seed)
-
-    def choose(self, request, loads, allowed=None) -> int:
-        cand = _candidates(len(loads), allowed)
-        return int(cand[self.rng.integers(cand.size)])
-
-
-class RoundRobinPolicy(Policy):
-    """Cycle through server indices, skipping those not allowed."""
-
-    name = "round_robin"
-
-    def __init__(self) -> None:
-        self.next = 0
-
-    def choose(self, request, loads, allowed=None) -> int:
-        n = len(loads)
-        if n <= 0:
-            raise ValueError("no servers to choose from")
-        start = self.next % n
-        if allowed is None or all(allowed) or not any(allowed):
-            if allowed is not None and len(allowed) != n:
-                raise ValueError(f"allowed mask has shape ({len(allowed)},), expected ({n},)")
-            pick = start
-        else:  # first allowed index at or after `start`, wrapping around
-            if len(allowed) != n:
-                raise ValueError(f"allowed mask has shape ({len(allowed)},), expected ({n},)")
-            pick = next(i for i in chain(range(start, n), range(start)) if allowed[i])
-        self.next = pick + 1
-        return pick
-
-    def remove_server(self, index: int) -> None:
-        if self.next > index:
-            self.next -= 1
-
-
-class JSQPolicy(Policy):
-    """Join the shortest queue: fewest in-flight; ties broken randomly or by index."""
-
-    name = "jsq"
-
-    def __init__(self, seed: Optional[int] = 0, random_ties: bool = True) -> None:
-        self.rng = np.random.default_rng(seed)
-        self.random_ties = random_ties
-
-    def choose(self, request, loads, allowed=None) -> int:
-        return least_loaded(loads, _candidates(len(loads), allowed),
-                            self.rng if self.random_ties else None)
-
-
-def least_loaded(
-    loads: Sequence[int], cand: np.ndarray, rng: Optional[np.random.Generator] = None
-) -> int:
-    """Pick step shared by jsq/domain/eldr: min load in ``cand``; ties random or lowest."""
-    cl = np.asarray(loads, dtype=np.int64)[cand]
-    best = cand[cl == cl.min()]
-    if rng is None or best.size == 1:
-        return int(best[0])
-    return int(best[rng.integers(best.size)])
-
-
-class P2CPolicy(Policy):
-    """Power of two choices: sample two distinct allowed servers, keep the less loaded."""
-
-    name = "p2c"
-
-    def __init__(self, seed: Optional[int] = 0) -> None:
-        self.rng = np.random.default_rng(seed)
-
-    def choose(self, request, loads, allowed=None) -> int:
-        cand = _candidates(len(loads), allowed)
-        if cand.size == 1:
-            return int(cand[0])
-        a, b = self.rng.choice(cand, size=2, replace=False)
-        if loads[a] == loads[b]:
-            return int(a if self.rng.random() < 0.5 else b)
-        return int(a if loads[a] < loads[b] else b)
-
-
-class DomainPolicy(Policy):
-    """Oracle baseline: a label owns a set of servers; least loaded in that set.
-
-    Unknown or missing labels (or a label whose servers are all filtered out) fall
-    back to JSQ over all allowed servers.
-    """
-
-    name = "domain"
-
-    def __init__(self, domain_map: Mapping[str, Sequence[int]], seed: Optional[int] = 0) -> None:
-        self.domain_map = {str(k): sorted({int(i) for i in v}) for k, v in domain_map.items()}
-        self.rng = np.random.default_rng(seed)
-
-    def choose(self, request, loads, allowed=None) -> int:
-        cand = _candidates(len(loads), allowed)
-        servers = self.domain_map.get(request.label) if request.label is not None else None
-        if servers:
-            inside = np.intersect1d(cand, np.asarray(servers, dtype=np.int64))
-            if inside.size:
-                cand = inside
-        return least_loaded(loads, cand, self.rng)
-
-    def remove_server(self, index: int) -> None:
-        self.domain_map = {
-            k: [i - (i > index) for i in v if i != index] for k, v in self.domain_map.items()
-        }
-
-    def describe(self) -> dict:
-        return {"policy": self.name, "domain_map": self.domain_map}
+from eldr_sglang.core.artifact import DEFAULT_TAU
+from eldr_sglang.core.policies.balancers import JSQPolicy
+from eldr_sglang.core.policies.base import _EPS, Decision, Policy, PolicySpec, register_policy
 
 
 class CentroidOwnership:
@@ -400,7 +174,7 @@ class EldrPolicy(Policy):
     name = "eldr"
     needs_signature = True
 
-    def __init__(self, centroids: np.ndarray, num_servers: int, tau: float = 0.1,
+    def __init__(self, centroids: np.ndarray, num_servers: int, tau: float = DEFAULT_TAU,
                  seed: Optional[int] = 0) -> None:
         if tau < 0:
             raise ValueError("tau must be >= 0")
@@ -511,32 +285,7 @@ class EldrPolicy(Policy):
                 "ownership": self.ownership.as_lists()}
 
 
-POLICY_NAMES = ("random", "round_robin", "jsq", "p2c", "domain", "eldr")
-
-
-def make_policy(
-    name: str,
-    num_servers: int,
-    *,
-    centroids: Optional[np.ndarray] = None,
-    tau: float = 0.1,
-    domain_map: Optional[Mapping[str, Sequence[int]]] = None,
-    seed: Optional[int] = 0,
-) -> Policy:
-    """Build a policy by name (``rr``/``power_of_two`` accepted as aliases)."""
-    name = {"rr": "round_robin", "power_of_two": "p2c", "shortest_queue": "jsq"}.get(name, name)
-    if name == "random":
-        return RandomPolicy(seed)
-    if name == "round_robin":
-        return RoundRobinPolicy()
-    if name == "jsq":
-        return JSQPolicy(seed)
-    if name == "p2c":
-        return P2CPolicy(seed)
-    if name == "domain":
-        return DomainPolicy(domain_map or {}, seed)
-    if name == "eldr":
-        if centroids is None:
-            raise ValueError("eldr policy needs centroids (a calibration artifact)")
-        return EldrPolicy(centroids, num_servers, tau, seed)
-    raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
+register_policy(PolicySpec(
+    "eldr", lambda ctx: EldrPolicy(ctx.centroids, ctx.num_servers, ctx.effective_tau, ctx.seed),
+    needs_artifact=True, rebuild_on_reload=True,
+    summary="least loaded among servers within tau of the best centroid similarity"))

@@ -1,0 +1,29 @@
+"""Decode-routing policies: small pure objects shared by the router and the simulator.
+
+See :mod:`eldr_sglang.core.policies.base` for the interface and the registry.
+Every module of this package is imported here, so each registers its policies.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from eldr_sglang.core.policies.base import (Decision, Policy, PolicyContext, PolicySpec, RouteRequest,
+                                            build_policy, least_loaded, make_policy, policy_names,
+                                            policy_spec, register_policy)
+
+for _m in pkgutil.iter_modules(__path__):
+    if _m.name != "base":
+        importlib.import_module(f"{__name__}.{_m.name}")
+
+from eldr_sglang.core.policies.balancers import JSQPolicy, P2CPolicy, RandomPolicy, RoundRobinPolicy  # noqa: E402
+from eldr_sglang.core.policies.domain import DomainPolicy  # noqa: E402
+from eldr_sglang.core.policies.eldr import CentroidOwnership, EldrPolicy  # noqa: E402
+
+POLICY_NAMES = tuple(policy_names())
+
+__all__ = ["Decision", "Policy", "PolicyContext", "PolicySpec", "RouteRequest", "build_policy",
+           "least_loaded", "make_policy", "policy_names", "policy_spec", "register_policy",
+           "RandomPolicy", "RoundRobinPolicy", "JSQPolicy", "P2CPolicy", "DomainPolicy",
+           "CentroidOwnership", "EldrPolicy", "POLICY_NAMES"]

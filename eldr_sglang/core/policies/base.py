@@ -1,0 +1,208 @@
+"""Decode-routing policies: small pure objects shared by the router and the simulator.
+
+Every policy answers one question::
+
+    policy.choose(request, loads, allowed=None) -> server index
+    policy.explain(request, loads, allowed=None) -> Decision (same pick + why)
+
+``request`` is a :class:`RouteRequest` (optional unit signature vector, optional
+label), ``loads`` the in-flight request count per decode server (index order),
+``allowed`` an optional mask of servers that may be picked (e.g. healthy ones; an
+all-False or missing mask means "all"). Policies follow a filter -> score -> pick
+shape and hold no I/O, clock or asyncio: numpy only, seeded RNG where random.
+
+Servers are identified by their position. ``add_server()`` appends one at the end,
+``remove_server(i)`` deletes position ``i`` (later servers shift down by one, like
+``list.pop``). Policies with per-server state (eldr's centroid ownership, domain's
+label sets) keep that state consistent; the caller keeps its server list in the
+same order.
+
+Policies are found by name in a registry: each policy module declares a
+:class:`PolicySpec` (name, aliases, whether it needs a calibration artifact or a
+domain map, how it is built from a :class:`PolicyContext`, how it reacts to a
+calibration reload) with :func:`register_policy`. Every module of this package is
+imported by ``__init__``, so a new policy is one new file (and its test).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Sequence
+
+import numpy as np
+
+from eldr_sglang.core.artifact import DEFAULT_TAU
+
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a policy may know about a request: its signature and/or its label."""
+
+    signature: Optional[np.ndarray] = None
+    label: Optional[str] = None
+
+
+@dataclass(slots=True)  # not frozen: a frozen __init__ costs ~2 us per decision
+class Decision:
+    """A pick and why (``Policy.explain``): same index ``choose()`` returns for the same
+    state. ``band``/similarities are only set by policies that score servers (eldr)."""
+
+    index: int
+    policy: str
+    reason: str = ""  # "band" | "no_signature" | "pick"
+    band: Optional[tuple[int, ...]] = None  # eldr: allowed servers within s* - tau
+    best_similarity: Optional[float] = None  # eldr: s*
+    server_similarities: Optional[np.ndarray] = None  # eldr: [N] max over owned centroids
+    centroid_similarities: Optional[np.ndarray] = None  # eldr: [K], centroid order
+
+    def top(self, n: int = 3) -> list[tuple[int, float]]:
+        """The ``n`` most similar servers as (index, similarity), best first."""
+        if self.server_similarities is None:
+            return []
+        s = self.server_similarities
+        order = np.argsort(-s, kind="stable")[:n]
+        return [(int(i), float(s[i])) for i in order]
+
+
+def _candidates(n: int, allowed: Optional[Sequence[bool]]) -> np.ndarray:
+    """Filter step: indices that may be picked (all of them if none is allowed)."""
+    if n <= 0:
+        raise ValueError("no servers to choose from")
+    if allowed is None:
+        return np.arange(n)
+    mask = np.asarray(allowed, dtype=bool)
+    if mask.shape != (n,):
+        raise ValueError(f"allowed mask has shape {mask.shape}, expected ({n},)")
+    idx = np.flatnonzero(mask)
+    return idx if idx.size else np.arange(n)
+
+
+class Policy:
+    """Base class. Subclasses implement :meth:`choose`."""
+
+    name: str = "base"
+    needs_signature: bool = False
+
+    def choose(
+        self,
+        request: RouteRequest,
+        loads: Sequence[int],
+        allowed: Optional[Sequence[bool]] = None,
+    ) -> int:
+        raise NotImplementedError
+
+    def explain(
+        self,
+        request: RouteRequest,
+        loads: Sequence[int],
+        allowed: Optional[Sequence[bool]] = None,
+    ) -> Decision:
+        """Like :meth:`choose` (same pick, same state change) plus the reason."""
+        return Decision(self.choose(request, loads, allowed), self.name, "pick")
+
+    def add_server(self) -> None:
+        """A server was appended at the end of the server list."""
+
+    def remove_server(self, index: int) -> None:
+        """The server at ``index`` was removed; later servers shift down."""
+
+    def describe(self) -> dict:
+        """JSON-able state for status pages."""
+        return {"policy": self.name}
+
+
+def least_loaded(
+    loads: Sequence[int], cand: np.ndarray, rng: Optional[np.random.Generator] = None
+) -> int:
+    """Pick step shared by jsq/domain/eldr: min load in ``cand``; ties random or lowest."""
+    cl = np.asarray(loads, dtype=np.int64)[cand]
+    best = cand[cl == cl.min()]
+    if rng is None or best.size == 1:
+        return int(best[0])
+    return int(best[rng.integers(best.size)])
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """What the router (or the simulator) knows when it builds a policy."""
+
+    num_servers: int
+    seed: Optional[int] = 0
+    tau: Optional[float] = None  # explicit override (``--tau``); None: the artifact's
+    centroids: Optional[np.ndarray] = None  # [K, D] from the calibration artifact
+    artifact_tau: Optional[float] = None  # the artifact's tau (0 is a valid value)
+    domain_map: Mapping[str, Sequence[int]] = field(default_factory=dict)
+
+    @property
+    def effective_tau(self) -> float:
+        """``--tau`` if given, else the artifact's tau, else :data:`DEFAULT_TAU`."""
+        if self.tau is not None:
+            return float(self.tau)
+        if self.artifact_tau is not None:
+            return float(self.artifact_tau)
+        return DEFAULT_TAU
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A registered policy: how to build it and what it needs."""
+
+    name: str
+    build: Callable[[PolicyContext], Policy]
+    aliases: tuple[str, ...] = ()
+    needs_artifact: bool = False  # centroids from a calibration artifact
+    needs_domain_map: bool = False  # a label -> servers map
+    rebuild_on_reload: bool = False  # a calibration reload builds it again from the new artifact
+    summary: str = ""
+
+
+_REGISTRY: dict[str, PolicySpec] = {}
+_ALIASES: dict[str, str] = {}
+
+
+def register_policy(spec: PolicySpec) -> PolicySpec:
+    """Add ``spec`` to the registry (its name and aliases must be new)."""
+    for key in (spec.name, *spec.aliases):
+        if key in _REGISTRY or key in _ALIASES:
+            raise ValueError(f"policy name {key!r} is already registered")
+    _REGISTRY[spec.name] = spec
+    _ALIASES.update({a: spec.name for a in spec.aliases})
+    return spec
+
+
+def policy_spec(name: str) -> PolicySpec:
+    """The spec registered under ``name`` or one of its aliases; ValueError otherwise."""
+    spec = _REGISTRY.get(_ALIASES.get(name, name))
+    if spec is None:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(policy_names())}")
+    return spec
+
+
+def policy_names(aliases: bool = False) -> list[str]:
+    """Registered policy names (and their aliases with ``aliases=True``), sorted."""
+    return sorted([*_REGISTRY, *(_ALIASES if aliases else ())])
+
+
+def build_policy(name: str, ctx: PolicyContext) -> Policy:
+    """Build a policy by name from a context; ValueError naming what is missing."""
+    spec = policy_spec(name)
+    if spec.needs_artifact and ctx.centroids is None:
+        raise ValueError(f"{spec.name} policy needs centroids (a calibration artifact)")
+    return spec.build(ctx)
+
+
+def make_policy(
+    name: str,
+    num_servers: int,
+    *,
+    centroids: Optional[np.ndarray] = None,
+    tau: Optional[float] = None,
+    domain_map: Optional[Mapping[str, Sequence[int]]] = None,
+    seed: Optional[int] = 0,
+) -> Policy:
+    """Shorthand for :func:`build_policy` (tau None: :data:`DEFAULT_TAU`)."""
+    return build_policy(name, PolicyContext(num_servers, seed=seed, tau=tau, centroids=centroids,
+                                            domain_map=domain_map or {}))

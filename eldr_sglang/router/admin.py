@@ -1,0 +1,132 @@
+"""Admin API: server membership, calibration reload, decision log, cache flush.
+
+Admin endpoints answer loopback clients only, or, when the router runs with
+``--admin-token``, exactly ``Authorization: Bearer <token>`` from anywhere.
+``GET /eldr/decisions`` is admin too: it shows other clients' request ids and labels.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+
+from eldr_sglang.router.responses import error_response, json_response
+
+if TYPE_CHECKING:
+    from eldr_sglang.router.app import Router
+
+logger = logging.getLogger("eldr_sglang.router")
+
+
+def _prefill_entry(v: Any) -> tuple[str, Any]:
+    """``"URL [PORT]"`` or ``[URL, PORT]`` -> (url, port or None)."""
+    parts = v.split() if isinstance(v, str) else list(v) if isinstance(v, list) else None
+    if not parts or len(parts) > 2 or not isinstance(parts[0], str):
+        raise ValueError(f"prefill entry {v!r}: expected \"URL [BOOTSTRAP_PORT]\" or [URL, PORT]")
+    port = parts[1] if len(parts) == 2 else None
+    if port is not None and str(port).lower() != "none":
+        try:
+            port = int(port)
+        except ValueError:
+            raise ValueError(f"prefill entry {v!r}: bootstrap port must be an integer") from None
+        if not 0 < port < 65536:
+            raise ValueError(f"prefill entry {v!r}: bootstrap port out of range")
+    else:
+        port = None
+    return parts[0], port
+
+
+class AdminApi:
+    def __init__(self, router: "Router") -> None:
+        self.r = router
+
+    def allowed(self, request: web.Request) -> bool:
+        token = self.r.config.admin_token
+        if token:
+            got = request.headers.get("Authorization", "")
+            return hmac.compare_digest(got.encode(), f"Bearer {token}".encode())
+        try:
+            return ipaddress.ip_address((request.remote or "").split("%")[0]).is_loopback
+        except ValueError:
+            return False
+
+    def forbidden(self) -> web.Response:
+        self.r.metrics.errors.labels("admin_forbidden").inc()
+        return error_response(403, "admin endpoint: loopback only, or 'Authorization: Bearer "
+                                   "<token>' when the router runs with --admin-token")
+
+    def only(self, handler):
+        """``handler`` behind the admin check."""
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            if not self.allowed(request):
+                return self.forbidden()
+            return await handler(request)
+        return guarded
+
+    def _bad(self, message: str) -> web.Response:
+        self.r.metrics.errors.labels("bad_request").inc()
+        return error_response(400, message)
+
+    @staticmethod
+    async def _body(request: web.Request) -> dict:
+        data = orjson.loads(await request.read() or b"{}")
+        if not isinstance(data, dict):
+            raise ValueError("body must be a JSON object")
+        return data
+
+    # ------------------------------------------------------------ handlers
+    async def h_servers(self, request: web.Request) -> web.Response:
+        """``{"add": [url], "remove": [url], "add_prefill": ["URL [PORT]"],
+        "remove_prefill": [url]}``; all checked before any is applied."""
+        try:
+            data = await self._body(request)
+            for key in ("add", "remove", "add_prefill", "remove_prefill"):
+                v = data.get(key, [])
+                if not isinstance(v, list):
+                    raise ValueError(f"'{key}' must be a list")
+            unknown = sorted(set(data) - {"add", "remove", "add_prefill", "remove_prefill"})
+            if unknown:
+                raise ValueError(f"unknown key(s): {', '.join(unknown)}")
+            prefills = [_prefill_entry(v) for v in data.get("add_prefill", [])]
+            self.r.change_servers(add=data.get("add", []), remove=data.get("remove", []),
+                                  add_prefill=prefills, remove_prefill=data.get("remove_prefill", []))
+        except (orjson.JSONDecodeError, ValueError, TypeError) as e:
+            return self._bad(str(e))
+        return json_response(self.r.status())
+
+    async def h_calibration(self, request: web.Request) -> web.Response:
+        """``POST {"path": "artifact.json"}`` reloads the calibration."""
+        try:
+            data = await self._body(request)
+            path = data.get("path")
+            if not isinstance(path, str) or not path:
+                raise ValueError("'path' (string) is required")
+            out = self.r.reload_calibration(path)
+        except (orjson.JSONDecodeError, ValueError, TypeError) as e:
+            self.r.metrics.reloads.labels("refused").inc()
+            logger.warning("calibration reload refused: %s", e)
+            return self._bad(f"calibration refused, previous kept: {e}")
+        return json_response(out)
+
+    async def h_decisions(self, request: web.Request) -> web.Response:
+        """The last ``?last=N`` routing decisions (default 20, at most the log's size)."""
+        kept = self.r.decisions.maxlen or 0
+        try:
+            last = int(request.query.get("last", "20"))
+            if not 0 <= last:
+                raise ValueError
+        except ValueError:
+            return self._bad(f"'last' must be an integer 0-{kept}")
+        recent = list(self.r.decisions)[-min(last, kept):] if last else []
+        return json_response([self.r.render_decision(rec) for rec in recent])
+
+    async def h_flush_cache(self, request: web.Request) -> web.Response:
+        res = await self.r.fan_out("flush_cache", "POST")
+        bad = {s.url: st for s, st, _ in res if st != 200}
+        return json_response({"failed": bad}, 500) if bad else web.Response(status=200)
+

@@ -1,0 +1,178 @@
+"""``RouterConfig``: every router setting and its default, in one place.
+
+The CLI (``python -m eldr_sglang.router``, ``eldr-router``) builds its flags from
+these fields, the deploy generator and the demo pass flags named after them, and
+tests build a ``Router`` with keyword overrides of the same names.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import resource
+import socket
+import urllib.parse
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+# SGLang's HTTP server (uvicorn) closes idle keep-alive connections after 5 s
+# (SGLANG_TIMEOUT_KEEP_ALIVE); the router drops them first, else reusing one races
+# with its close and a request fails ("Server disconnected").
+WORKER_KEEPALIVE_S = 3.0
+# file descriptors one routed request holds: client, prefill and decode connections
+FDS_PER_REQUEST = 3
+FDS_RESERVED = 64  # listeners, health checks, signature streams, logs
+
+
+def _opt(help: str, default: Any = None, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class RouterConfig:
+    """Router settings (seconds, MiB, counts). ``None`` means "derived" where said."""
+
+    # routing
+    policy: str = _opt("decode-routing policy (see --help for the names)", "eldr")
+    calibration: Optional[str] = _opt("calibration artifact (needed by artifact policies)")
+    tau: Optional[float] = _opt("locality band; default: the artifact's tau (0 included)")
+    domain_map: Optional[str] = _opt("JSON (inline or file): label -> [decode index or URL, ...]")
+    label_field: Optional[str] = _opt("body field holding the request label (removed before forwarding)")
+    label_header: Optional[str] = _opt("HTTP header holding the request label")
+    seed: Optional[int] = _opt("seed of the policies' random tie-breaks", 0)
+    # signatures
+    signature_timeout: float = _opt(
+        "longest wait for a prefill signature before falling back to least loaded (the "
+        "adaptive wait's ceiling)", 10.0)
+    signature_timeout_min: float = _opt("shortest adaptive signature wait", 0.5)
+    signature_timeout_factor: float = _opt(
+        "adaptive signature wait = this x p99 of recent waits, within [min, ceiling] "
+        "(0: always the ceiling)", 4.0)
+    signature_port: Optional[int] = _opt(
+        "TCP port for newline-delimited JSON signature messages (0: any free port; "
+        "engines publish to the address each request carries)")
+    advertise_host: Optional[str] = _opt(
+        "host engines reach this router's signature port at (default: --host, or this "
+        "machine's address when --host is a wildcard)")
+    signature_ttl: float = _opt("seconds an early (unclaimed) signature message is kept", 10.0)
+    signature_buffer: int = _opt("max early (unclaimed) signature messages kept", 4096)
+    signature_buffer_mb: float = _opt("max MiB of early signature messages kept", 64.0)
+    signature_max_kb: float = _opt("largest signature message (KiB); larger is refused", 1024.0)
+    # workers: health, breaker, load
+    health_interval: float = _opt("seconds between GET /health checks of every worker (0: off)", 5.0)
+    health_timeout: float = _opt("health check timeout", 2.0)
+    health_failures: int = _opt("consecutive failed health checks that take a worker out", 2)
+    health_cooldown: float = _opt("seconds an open circuit breaker waits before one trial request", 10.0)
+    breaker_threshold: int = _opt(
+        "consecutive failed requests that open a worker's breaker (a refused connection opens it at once)", 5)
+    load_interval: float = _opt(
+        "seconds between polls of the decode servers' load (GET /v1/loads), shared by "
+        "router replicas and --workers (0: own in-flight counts only)", 0.5)
+    # timeouts to workers
+    connect_timeout: float = _opt("connect timeout to a worker", 5.0)
+    first_byte_timeout: float = _opt(
+        "longest wait for a worker's answer headers (a non-streamed decode answers only "
+        "when done: raise it for very long generations)", 300.0)
+    idle_timeout: float = _opt("longest gap between two chunks of a worker's answer", 60.0)
+    request_timeout: float = _opt("total limit of one worker request", 1800.0)
+    # admission and limits
+    max_inflight: int = _opt(
+        "client requests served at once; above it 429 + Retry-After (0: from the open-file "
+        "limit, (RLIMIT_NOFILE - 64) / 3)", 0)
+    retry_after: float = _opt("Retry-After seconds sent with 429/503", 1.0)
+    max_batch: int = _opt("largest batch (items of 'text'/'input_ids'); larger gets 413", 256)
+    max_body_mb: float = _opt("largest request body (MiB); larger gets 413", 32.0)
+    decisions_kept: int = _opt("routing decisions kept for GET /eldr/decisions", 256)
+    # admin and logs
+    admin_token: Optional[str] = _opt(
+        "require 'Authorization: Bearer TOKEN' on admin endpoints (default: loopback clients only)")
+    log_decisions: bool = _opt("log every routing decision at INFO (otherwise DEBUG)", False, flag=True)
+    # process
+    host: str = _opt("listen address", "0.0.0.0")
+    port: int = _opt("listen port", 8000)
+    workers: int = _opt("router processes sharing --port (SO_REUSEPORT)", 1)
+    drain_timeout: float = _opt("on SIGTERM: seconds to let in-flight requests finish", 30.0)
+    log_level: str = _opt("log level", "info")
+    event_loop: str = _opt("auto: uvloop when installed", "auto", choices=("auto", "uvloop", "asyncio"))
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """ValueError naming the first bad field."""
+        positive = ("signature_timeout", "signature_ttl", "signature_buffer", "signature_buffer_mb",
+                    "signature_max_kb", "health_timeout", "health_failures", "breaker_threshold",
+                    "connect_timeout", "first_byte_timeout", "idle_timeout", "request_timeout",
+                    "max_batch", "max_body_mb", "workers", "retry_after")
+        non_negative = ("signature_timeout_min", "signature_timeout_factor", "health_interval",
+                        "health_cooldown", "load_interval", "max_inflight", "decisions_kept",
+                        "drain_timeout")
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: expected a number > 0, got {getattr(self, name)!r}")
+        for name in non_negative:
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}: expected a number >= 0, got {getattr(self, name)!r}")
+        if self.tau is not None and not self.tau >= 0:
+            raise ValueError(f"tau: expected a number >= 0, got {self.tau!r}")
+        for name in ("port", "signature_port"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= 65535:
+                raise ValueError(f"{name}: expected 0-65535, got {v}")
+        if self.signature_port and self.signature_port == self.port:
+            raise ValueError(f"signature_port: {self.signature_port} is the router's port; pick another")
+        if self.workers > 1 and self.port == 0:
+            raise ValueError("workers: several processes need a fixed --port to share")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "RouterConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown router setting(s): {', '.join(unknown)}")
+        return cls(**values)
+
+    # ------------------------------------------------------------ derived values
+    @property
+    def inflight_limit(self) -> int:
+        """``max_inflight``, or what the open-file limit allows."""
+        if self.max_inflight:
+            return self.max_inflight
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY:
+            soft = 1 << 20
+        return max(1, (soft - FDS_RESERVED) // FDS_PER_REQUEST)
+
+    def signature_host_for(self, bound_host: str) -> str:
+        """The host engines use to reach this router's signature port (bound on
+        ``bound_host``)."""
+        if self.advertise_host:
+            return self.advertise_host
+        try:
+            if not ipaddress.ip_address(bound_host).is_unspecified:
+                return bound_host
+        except ValueError:
+            return bound_host  # a host name
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
+
+
+def validate_worker_url(url: Any) -> str:
+    """``http(s)://host[:port]`` without path, query or credentials; ValueError otherwise.
+
+    Returns the URL without a trailing slash."""
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"worker URL must be a non-empty string, got {url!r}")
+    u = urllib.parse.urlsplit(url.rstrip("/"))
+    if u.scheme not in ("http", "https"):
+        raise ValueError(f"worker URL {url!r}: scheme must be http or https")
+    if not u.hostname:
+        raise ValueError(f"worker URL {url!r}: no host")
+    try:
+        u.port
+    except ValueError:
+        raise ValueError(f"worker URL {url!r}: bad port") from None
+    if u.path or u.query or u.fragment or u.username or u.password:
+        raise ValueError(f"worker URL {url!r}: only scheme://host:port is allowed")
+    return url.rstrip("/")

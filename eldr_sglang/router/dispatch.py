@@ -1,0 +1,582 @@
+"""The PD dispatch flow with late binding, in the spirit of sglang_router's mini_lb.
+
+One client request:
+
+1. admission: above ``max_inflight`` client requests answer 429 + Retry-After at
+   once (nothing is opened upstream);
+2. pick a prefill server (least loaded); add ``bootstrap_host/port/room`` (lists for
+   a batch), a ``rid`` if none, and this router's signature return address
+   (``custom_params.eldr_signature_to``, so each replica gets its own signatures);
+   POST to prefill in the background (its answer arrives after decode took the KV);
+3. if the policy needs a signature, wait for the room's message (adaptive limit);
+   a prefill failure ends the wait and is the client's answer; no message in time
+   falls back to least loaded (counted);
+4. the policy picks the decode server; the same body goes there. A room binds once,
+   so a decode is re-sent elsewhere only when the connection was refused;
+5. the client gets the decode answer only if the prefill succeeded too: a prefill
+   failing at any point (before or after its signature, before or after the decode
+   was posted) is the client's error, and the decode is aborted.
+
+Every worker request holds a breaker ticket that ends on every path
+(:mod:`eldr_sglang.router.breaker`). Client disconnect aborts the rid(s) on both
+servers. Errors the router causes itself (out of file descriptors) are never
+counted against a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import aiohttp
+import numpy as np
+import orjson
+from aiohttp import web
+
+from eldr_sglang.core.policies import Decision, RouteRequest, least_loaded
+from eldr_sglang.patches.publish import RETURN_ADDRESS_KEY
+from eldr_sglang.router import upstream
+from eldr_sglang.router.responses import (JSON, error_in_body, error_response,
+                                          worker_error_response)
+from eldr_sglang.router.signatures import combine
+from eldr_sglang.router.workers import Worker
+
+if TYPE_CHECKING:
+    from eldr_sglang.router.app import Router
+
+logger = logging.getLogger("eldr_sglang.router")
+decision_logger = logging.getLogger("eldr_sglang.router.decisions")
+ABORT_TIMEOUT = 5.0
+
+
+@dataclass
+class PrefillResult:
+    status: int  # HTTP status; 0 when the call itself failed
+    body: bytes
+    error: str = ""
+    url: str = ""  # the prefill server that answered
+    local: bool = False  # the router's own failure (resources), not the worker's
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and not self.error
+
+
+class _Flight:
+    """One client request on its way: body, chosen prefill, the bytes sent upstream."""
+
+    __slots__ = ("body", "n", "prefill", "payload", "decode_sent")
+
+    def __init__(self, body: dict, n: Optional[int]) -> None:
+        self.body, self.n = body, n
+        self.decode_sent = False
+
+    def set_prefill(self, p: Worker) -> None:
+        n, body = self.n, self.body
+        self.prefill = p
+        body["bootstrap_host"] = [p.host] * n if n else p.host
+        body["bootstrap_port"] = [p.bootstrap_port] * n if n else p.bootstrap_port
+        self.payload = orjson.dumps(body)
+
+
+class _NoSignature(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _delivered(w: asyncio.Future) -> bool:
+    return w.done() and not w.cancelled() and w.exception() is None
+
+
+class BadRequest(ValueError):
+    """The client's request is wrong: answered with ``status`` and the message."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def batch_size(body: dict, limit: int) -> Optional[int]:
+    """None for a single /generate request, else the batch length; BadRequest if malformed
+    or over ``limit`` items (413)."""
+    text, ids = body.get("text"), body.get("input_ids")
+    if text is not None and ids is not None:
+        raise BadRequest("give only one of 'text' and 'input_ids'")  # as SGLang does
+    items = text if text is not None else ids
+    if isinstance(items, list) and len(items) > limit and items and not isinstance(items[0], int):
+        raise BadRequest(f"batch of {len(items)} items; this router takes at most {limit} "
+                         "(--max-batch)", 413)
+    if text is not None:
+        if isinstance(text, str):
+            return None
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return len(text)
+        raise BadRequest("'text' must be a string or a non-empty list of strings")
+    if ids is not None:
+        if isinstance(ids, list) and ids:
+            if all(isinstance(t, int) for t in ids):
+                return None
+            if all(isinstance(t, list) and t and all(isinstance(x, int) for x in t) for t in ids):
+                return len(ids)
+        raise BadRequest("'input_ids' must be a non-empty list of ints or of int lists")
+    if body.get("input_embeds") is None:
+        raise BadRequest("request needs 'text', 'input_ids' or 'input_embeds'")
+    return None
+
+
+def validate_openai(endpoint: str, body: dict) -> None:
+    if endpoint == "v1/completions" and not isinstance(body.get("prompt"), (str, list)):
+        raise BadRequest("'prompt' must be a string or a list")
+    if endpoint == "v1/chat/completions" and not (
+            isinstance(body.get("messages"), list) and body["messages"]):
+        raise BadRequest("'messages' must be a non-empty list")
+
+
+def set_rid(body: dict, n: Optional[int]) -> list[str]:
+    rid = body.get("rid")
+    if rid is None:
+        rids = [os.urandom(16).hex() for _ in range(n or 1)]  # uuid4().hex's form, cheaper
+        body["rid"] = rids if n else rids[0]
+        return rids
+    if isinstance(rid, str):
+        return [rid]  # SGLang expands a batch's str rid to f"{rid}_{i}"; abort matches prefixes
+    if isinstance(rid, list) and all(isinstance(r, str) for r in rid) and len(rid) == (n or 1):
+        return list(rid)
+    raise BadRequest("'rid' must be a string or a list of strings (one per batch item)")
+
+
+def _with_address(cp: Any, address: Optional[str]) -> Optional[dict]:
+    cp = {k: v for k, v in cp.items() if k != RETURN_ADDRESS_KEY} if isinstance(cp, dict) else {}
+    if address:
+        cp[RETURN_ADDRESS_KEY] = address
+    return cp or None
+
+
+def set_return_address(body: dict, endpoint: str, address: Optional[str]) -> None:
+    """Where the prefill engine sends this request's signature. A client's own value is
+    always removed: only the router names where prefill servers connect to."""
+    if endpoint != "generate":  # OpenAI routes: SGLang copies custom_params into sampling params
+        if address or "custom_params" in body:
+            body["custom_params"] = _with_address(body.get("custom_params"), address)
+        return
+    sp = body.get("sampling_params")
+    if sp is None:
+        if not address:
+            return
+        sp = body["sampling_params"] = {}
+    for params in (sp if isinstance(sp, list) else [sp]):
+        if isinstance(params, dict) and (address or "custom_params" in params):
+            params["custom_params"] = _with_address(params.get("custom_params"), address)
+
+
+class Dispatcher:
+    """Client request -> prefill -> signature -> decode -> client."""
+
+    def __init__(self, router: "Router") -> None:
+        self.r = router
+        self.active = 0  # client requests being served
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self._duration_children: dict[str, object] = {}
+        self._decision_children: dict[tuple[str, str], object] = {}
+        self._fallback_rng = np.random.default_rng(router.config.seed)
+
+    # ------------------------------------------------------------ entry
+    async def handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        r = self.r
+        if self.active >= r.inflight_limit:
+            r.metrics.overloaded.inc()
+            return error_response(429, f"router at its in-flight limit ({r.inflight_limit} "
+                                  "requests); retry later", r.config.retry_after)
+        t0 = time.perf_counter()
+        self.active += 1
+        self.idle.clear()
+        r.metrics.client_requests.set(self.active)
+        try:
+            return await self._handle(request, endpoint, t0)
+        finally:
+            self.active -= 1
+            if self.active == 0:
+                self.idle.set()
+            r.metrics.client_requests.set(self.active)
+            child = self._duration_children.get(endpoint)
+            if child is None:
+                child = self._duration_children[endpoint] = r.metrics.request_duration.labels(endpoint)
+            child.observe(time.perf_counter() - t0)
+
+    def _bad(self, message: str, status: int = 400) -> web.Response:
+        self.r.metrics.errors.labels("bad_request" if status == 400 else "too_large").inc()
+        return error_response(status, message)
+
+    async def _handle(self, request: web.Request, endpoint: str, t0: float) -> web.StreamResponse:
+        r = self.r
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as e:
+            return self._bad(f"invalid JSON body: {e}")
+        if not isinstance(body, dict):
+            return self._bad("request body must be a JSON object")
+        try:
+            if endpoint == "generate":
+                n = batch_size(body, r.config.max_batch)
+            else:
+                n = None
+                validate_openai(endpoint, body)
+            rids = set_rid(body, n)
+        except BadRequest as e:
+            return self._bad(str(e), e.status)
+        label = r.label_of(request, body)
+        stream = bool(body.get("stream", False))
+        routing = r.routing
+        needs_signature = routing.policy.needs_signature
+        set_return_address(body, endpoint, r.return_address if needs_signature else None)
+
+        rooms = [random.getrandbits(63) for _ in range(n or 1)]
+        body["bootstrap_room"] = rooms if n else rooms[0]
+        fl = _Flight(body, n)
+        fl.set_prefill(r.pool.pick_prefill())
+        r.metrics.event("requests")
+
+        waiters = [r.board.expect(room) for room in rooms] if needs_signature else []
+        prefill_task = r.spawn(self._prefill(fl, endpoint))
+        d: Optional[Worker] = None
+        try:
+            sig, waited = None, 0.0
+            if needs_signature:
+                sig, failed, waited = await self._await_signature(waiters, prefill_task)
+                if failed is not None:
+                    return self._prefill_error(failed)
+            tried: set[int] = set()
+            while True:
+                d, dec = self.decide(RouteRequest(signature=sig, label=label), tried, rids)
+                r.record(rids, rooms, label, waiters, d, dec)
+                ticket = r.pool.enter(d)
+                try:
+                    fl.decode_sent = True  # from here on the prefill is never re-sent
+                    if not tried:
+                        r.metrics.added_latency.observe(time.perf_counter() - t0 - waited)
+                    out = await self._open_decode(d, endpoint, fl.payload, prefill_task)
+                    if isinstance(out, PrefillResult):  # prefill failed first: abort the decode
+                        r.spawn(self.abort(rids, [d]))
+                        return self._prefill_error(out)
+                    if isinstance(out, upstream.ConnectError) and len(tried) + 1 < len(r.pool.decodes):
+                        r.pool.failure(d, ticket, repr(out), "connect", hard=True)
+                        tried.update(i for i, x in enumerate(r.pool.decodes) if x is d)
+                        r.metrics.retries.labels("decode").inc()
+                        continue  # never reached the server: the room is still unbound
+                    if isinstance(out, upstream.UpstreamError):
+                        return self._decode_failed(d, ticket, out, rids, fl)
+                    try:
+                        return await self._relay(request, out, d, ticket, stream, rids, fl,
+                                                 prefill_task)
+                    finally:
+                        out.release()
+                finally:
+                    r.pool.leave(d, ticket)
+        except asyncio.CancelledError:  # client went away
+            r.metrics.event("client_disconnects")
+            prefill_task.cancel()
+            r.spawn(self.abort(rids, [fl.prefill] + ([d] if d is not None else [])))
+            raise
+        finally:
+            for room in rooms:
+                r.board.discard(room)
+
+    # ------------------------------------------------------------ decision
+    def decide(self, req: RouteRequest, exclude: set[int] = frozenset(),
+               rids: Sequence[str] = ()) -> tuple[Worker, Decision]:
+        """Pick the decode server with ``policy.explain`` (same pick as ``choose``)."""
+        r = self.r
+        routing = r.routing
+        pool = r.pool
+        decodes = pool.decodes
+        loads = pool.decode_loads()
+        allowed = pool.allowed_decodes(exclude)
+        t0 = time.perf_counter()
+        try:
+            dec = routing.policy.explain(req, loads, allowed)
+        except (ValueError, IndexError) as e:
+            logger.error("policy %s failed (%s); using least loaded", routing.name, e)
+            r.metrics.errors.labels("policy").inc()
+            dec = Decision(least_loaded(loads, np.flatnonzero(allowed), self._fallback_rng),
+                           routing.name, "policy_error")
+        m = r.metrics
+        m.choose_time.observe(time.perf_counter() - t0)
+        d = decodes[dec.index]
+        m.requests.labels(routing.name, d.url).inc()
+        if not routing.policy.needs_signature:
+            kind = "blind"
+        else:
+            kind = "signature" if req.signature is not None else "fallback"
+        child = self._decision_children.get((routing.name, kind))
+        if child is None:
+            child = self._decision_children[(routing.name, kind)] = m.decisions.labels(routing.name, kind)
+        child.inc()
+        if dec.band is not None:
+            m.band_size.observe(len(dec.band))
+            m.best_similarity.observe(dec.best_similarity)
+        level = r.decision_level
+        if decision_logger.isEnabledFor(level):
+            decision_logger.log(
+                level, "decision rids=%s policy=%s reason=%s top3=%s band=%s loads=%s allowed=%s "
+                "chosen=%d %s", list(rids)[:4], routing.name, dec.reason,
+                [(decodes[i].url, round(v, 4)) for i, v in dec.top(3)],
+                list(dec.band) if dec.band is not None else None, loads,
+                [i for i, a in enumerate(allowed) if a], dec.index, d.url)
+        return d, dec
+
+    # ------------------------------------------------------------ signature
+    async def _await_signature(self, waiters: list[asyncio.Future], prefill_task: asyncio.Task,
+                               ) -> tuple[Optional[np.ndarray], Optional[PrefillResult], float]:
+        """(vector or None, failed prefill or None, seconds waited)."""
+        r = self.r
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        failed = await self._await_rooms(waiters, prefill_task, t0 + r.wait_limit.value)
+        waited = loop.time() - t0
+        if failed is not None:
+            return None, failed, waited
+        r.metrics.signature_wait.observe(waited)
+        encoder = r.routing.encoder
+        vectors, reasons = [], []
+        for w in waiters:
+            if not _delivered(w):
+                reasons.append("timeout")
+                continue
+            r.wait_limit.observe(waited)
+            r.metrics.event("signatures_used")
+            r.last_layers = w.result().get("layers")
+            if encoder is None:
+                reasons.append("no_artifact")
+                continue
+            try:
+                vectors.append(encoder.encode(w.result()))
+            except ValueError as e:  # SignatureError: reason is its metric label
+                reason = getattr(e, "reason", "bad_counts")
+                reasons.append(reason)
+                r.metrics.errors.labels(f"signature_{reason}").inc()
+                r.intake.log.warn(reason, "room %s: %s", w.result().get("bootstrap_room"), e)
+        for reason in reasons:
+            r.metrics.fallbacks.labels(reason).inc()
+        r.metrics.signature_wait_limit.set(r.wait_limit.value)
+        return combine(vectors), None, waited
+
+    @staticmethod
+    async def _await_rooms(waiters: list[asyncio.Future], prefill_task: asyncio.Task,
+                           deadline: float) -> Optional[PrefillResult]:
+        """Wait on the rooms' own futures until all hold their message, the deadline
+        passes or the prefill fails (its result is then returned)."""
+        loop = asyncio.get_running_loop()
+
+        def end(reason: str) -> None:
+            for w in waiters:
+                if not w.done():
+                    w.set_exception(_NoSignature(reason))
+
+        def on_prefill(t: asyncio.Task) -> None:
+            if not t.cancelled() and (t.exception() is not None or not t.result().ok):
+                end("prefill_failed")
+
+        timer = loop.call_at(deadline, end, "timeout")
+        prefill_task.add_done_callback(on_prefill)
+        if prefill_task.done():
+            on_prefill(prefill_task)
+        try:
+            for w in waiters:
+                await w
+        except _NoSignature as e:
+            if e.reason == "prefill_failed":
+                return prefill_task.result()  # a raising prefill task re-raises here
+        finally:
+            timer.cancel()
+            prefill_task.remove_done_callback(on_prefill)
+            for w in waiters:
+                if w.done() and not w.cancelled():
+                    w.exception()  # retrieved (also when this task was cancelled meanwhile)
+        return None
+
+    # ------------------------------------------------------------ prefill
+    async def _prefill(self, fl: _Flight, endpoint: str) -> PrefillResult:
+        """POST to prefill and read the whole answer (late binding: arrives after decode).
+
+        A refused connection (the server never saw the request) is retried on another
+        prefill server as long as the decode has not been sent (it names the prefill's
+        bootstrap address)."""
+        pool, m = self.r.pool, self.r.metrics
+        tried: set[int] = set()
+        while True:
+            s = fl.prefill
+            ticket = pool.enter(s)
+            try:
+                resp = await self.r.upstream.post(s.endpoint(endpoint), fl.payload)
+                try:
+                    body = await resp.read()
+                finally:
+                    resp.release()
+                error = error_in_body(body) if resp.status == 200 else ""
+                if resp.status >= 500 or error:
+                    pool.failure(s, ticket, f"HTTP {resp.status}: {(error or body[:200])!r}",
+                                 "http_5xx" if resp.status >= 500 else "stream")
+                else:
+                    pool.success(s, ticket)  # it answered (a 4xx is the request's fault)
+                    if resp.status != 200:
+                        m.worker_errors.labels(s.role, s.url, "http_4xx").inc()
+                return PrefillResult(resp.status, body, error or "", url=s.url)
+            except upstream.LocalResourceError as e:
+                m.errors.labels("local_resources").inc()
+                return PrefillResult(0, b"", f"router out of resources: {e}", s.url, local=True)
+            except upstream.ConnectError as e:
+                pool.failure(s, ticket, repr(e), "connect", hard=True)
+                tried.add(id(s))
+                alt = None if fl.decode_sent else pool.pick_prefill(exclude=tried)
+                if alt is not None:
+                    m.retries.labels("prefill").inc()
+                    fl.set_prefill(alt)
+                    continue
+                return PrefillResult(0, b"", f"prefill server {s.url} unreachable: {e}", s.url)
+            except upstream.UpstreamError as e:  # Timeout, Disconnected
+                kind = "timeout" if isinstance(e, upstream.Timeout) else "disconnect"
+                pool.failure(s, ticket, repr(e), kind, hard=True)
+                self.r.spawn(self.abort(_rids_of(fl.body), [s]))
+                return PrefillResult(0, b"", f"prefill server {s.url} failed: {e}", s.url)
+            finally:
+                pool.leave(s, ticket)
+
+    def _prefill_error(self, res: PrefillResult) -> web.Response:
+        self.r.metrics.event("prefill_errors_returned")
+        if res.status == 0:
+            return error_response(503 if res.local or "unreachable" in res.error else 502,
+                                  res.error, self.r.config.retry_after if res.local else None)
+        if res.status == 200:  # an error inside a 200 stream
+            return error_response(502, f"prefill server {res.url} failed: {res.error}")
+        return worker_error_response(res.status, res.body, res.url)
+
+    async def _prefill_outcome(self, prefill_task: asyncio.Task) -> PrefillResult:
+        """The prefill's result (it ends on its own: worker timeouts bound it)."""
+        return await asyncio.shield(prefill_task)
+
+    # ------------------------------------------------------------ decode
+    async def _open_decode(self, d: Worker, endpoint: str, payload: bytes,
+                           prefill_task: asyncio.Task):
+        """POST to decode; its response, a failed PrefillResult, or an UpstreamError."""
+        if prefill_task.done() and not prefill_task.result().ok:
+            return prefill_task.result()  # already failed: never send the decode
+        post = asyncio.ensure_future(self.r.upstream.post(d.endpoint(endpoint), payload))
+        watch = {post} if prefill_task.done() else {post, prefill_task}
+        try:
+            while True:
+                done, _ = await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
+                if post in done:
+                    try:
+                        return post.result()
+                    except upstream.UpstreamError as e:
+                        return e
+                res = prefill_task.result()
+                if not res.ok:
+                    post.cancel()
+                    return res
+                watch = {post}
+        except BaseException:
+            post.cancel()
+            raise
+
+    def _decode_failed(self, d: Worker, ticket, e: upstream.UpstreamError, rids: list[str],
+                       fl: _Flight) -> web.Response:
+        r = self.r
+        r.spawn(self.abort(rids, [fl.prefill] + ([] if isinstance(e, upstream.ConnectError) else [d])))
+        if isinstance(e, upstream.LocalResourceError):
+            r.metrics.errors.labels("local_resources").inc()
+            return error_response(503, f"router out of resources: {e}", r.config.retry_after)
+        if isinstance(e, upstream.ConnectError):
+            r.pool.failure(d, ticket, repr(e), "connect", hard=True)
+            return error_response(503, f"decode server {d.url} unavailable: {e}")
+        timeout = isinstance(e, upstream.Timeout)
+        r.pool.failure(d, ticket, repr(e), "timeout" if timeout else "disconnect", hard=True)
+        return error_response(504 if timeout else 502, f"decode server {d.url} failed: {e}")
+
+    async def _relay(self, request: web.Request, resp: upstream.UpstreamResponse, d: Worker,
+                     ticket, stream: bool, rids: list[str], fl: _Flight,
+                     prefill_task: asyncio.Task) -> web.StreamResponse:
+        """The decode answer, once the prefill is known to have succeeded.
+
+        Worker error statuses pass through (JSON bodies as they are); a decode server
+        that fails mid-answer gives 502/504 JSON (non-stream) or a final SSE error event."""
+        r, pool = self.r, self.r.pool
+        if resp.status != 200:
+            try:
+                data = await resp.read()
+            except upstream.UpstreamError as e:
+                data = repr(e).encode()
+            if resp.status >= 500:
+                pool.failure(d, ticket, f"HTTP {resp.status}: {data[:200]!r}", "http_5xx")
+            else:
+                pool.success(d, ticket)
+                r.metrics.worker_errors.labels(d.role, d.url, "http_4xx").inc()
+            r.spawn(self.abort(rids, [fl.prefill]))
+            return worker_error_response(resp.status, data, d.url)
+        if not stream:
+            try:
+                data = await resp.read()
+            except upstream.UpstreamError as e:
+                return self._decode_failed(d, ticket, e, rids, fl)
+            pool.success(d, ticket)
+            res = await self._prefill_outcome(prefill_task)
+            if not res.ok:
+                return self._prefill_error(res)
+            return web.Response(body=data, status=200, content_type=JSON)
+        res = await self._prefill_outcome(prefill_task)  # before the first byte goes out
+        if not res.ok:
+            r.spawn(self.abort(rids, [d]))
+            return self._prefill_error(res)
+        out = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await out.prepare(request)
+        try:
+            async for chunk in resp.iter_chunks():
+                await out.write(chunk)
+            await out.write_eof()
+            pool.success(d, ticket)
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            r.metrics.event("client_disconnects")
+            r.spawn(self.abort(rids, [fl.prefill, d]))
+        except upstream.UpstreamError as e:
+            timeout = isinstance(e, upstream.Timeout)
+            pool.failure(d, ticket, f"stream broken: {e!r}", "timeout" if timeout else "stream",
+                         hard=timeout)
+            r.spawn(self.abort(rids, [d]))
+            err = {"error": {"message": f"decode server {d.url} failed mid-stream: {e}",
+                             "type": "upstream_error", "code": 504 if timeout else 502}}
+            try:
+                await out.write(b"data: " + orjson.dumps(err) + b"\n\n")
+                await out.write_eof()
+            except (ConnectionResetError, aiohttp.ClientConnectionResetError, RuntimeError):
+                pass
+        return out
+
+    # ------------------------------------------------------------ aborts
+    async def abort(self, rids: list[str], servers: list[Worker]) -> None:
+        """Best-effort ``/abort_request`` for every rid on every server."""
+        r = self.r
+        r.metrics.event("aborts")
+        timeout = aiohttp.ClientTimeout(total=ABORT_TIMEOUT)
+
+        async def one(s: Worker, rid: str) -> None:
+            try:
+                async with r.session.post(s.endpoint("abort_request"), json={"rid": rid},
+                                          timeout=timeout) as resp:
+                    await resp.read()
+            except Exception as e:  # noqa: BLE001 - best effort
+                logger.info("abort %s on %s failed: %r", rid, s.url, e)
+
+        await asyncio.gather(*(one(s, rid) for s in servers for rid in rids))
+
+
+def _rids_of(body: dict) -> list[str]:
+    rid = body.get("rid")
+    return rid if isinstance(rid, list) else [rid]

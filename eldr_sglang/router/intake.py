@@ -1,0 +1,158 @@
+"""Signature intake: ``POST /eldr/signature`` and the TCP stream of ``--signature-port``.
+
+Both validate each message (:func:`~eldr_sglang.router.signatures.parse_message`,
+then against the artifact's layers x experts when there is one) before it reaches
+the board, refuse messages over ``signature_max_kb``, count every refusal and log
+refusals at most once per ``LOG_EVERY`` seconds per kind (a misconfigured engine
+must not flood the log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable, Optional
+
+import orjson
+from aiohttp import web
+
+from eldr_sglang.router.metrics import RouterMetrics
+from eldr_sglang.router.signatures import SignatureBoard, SignatureEncoder, SignatureError, parse_message
+
+logger = logging.getLogger("eldr_sglang.router")
+LOG_EVERY = 10.0
+
+
+class RateLimitedLog:
+    """``warn(kind, msg)`` logs at most once per ``every`` s per kind, with the count suppressed."""
+
+    def __init__(self, every: float = LOG_EVERY, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every, self.clock = every, clock
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def warn(self, kind: str, msg: str, *args: Any) -> bool:
+        now = self.clock()
+        if now - self._last.get(kind, -self.every) < self.every:
+            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+            return False
+        self._last[kind] = now
+        n = self._suppressed.pop(kind, 0)
+        logger.warning(msg + (f" ({n} more like it not logged)" if n else ""), *args)
+        return True
+
+
+class SignatureIntake:
+    def __init__(self, board: SignatureBoard, metrics: RouterMetrics, max_bytes: int,
+                 encoder: Callable[[], Optional[SignatureEncoder]],
+                 buffering: Callable[[], bool]) -> None:
+        self.board, self.metrics, self.max_bytes = board, metrics, max_bytes
+        self.encoder = encoder  # the router's current encoder (it changes on reloads)
+        self.buffering = buffering  # whether unclaimed messages are worth keeping
+        self.log = RateLimitedLog()
+        self.streams: set[asyncio.StreamWriter] = set()
+        self.server: Optional[asyncio.AbstractServer] = None
+        self.port: Optional[int] = None
+
+    # ------------------------------------------------------------ validation
+    def refused(self, kind: str, detail: str, peer: Any = None, n: int = 1) -> None:
+        self.metrics.signatures.labels("invalid").inc(n)
+        self.metrics.errors.labels(f"signature_{kind}").inc(n)
+        self.log.warn(kind, "signature message refused (%s) from %s: %s", kind, peer or "?", detail)
+
+    def accept(self, data: Any, peer: Any = None) -> tuple[int, int, list[str]]:
+        """Validate and deliver one message or a list; (delivered, buffered, errors)."""
+        msgs = data if isinstance(data, list) else [data]
+        delivered = buffered = 0
+        errors = []
+        enc = self.encoder()
+        for m in msgs:
+            try:
+                parse_message(m)
+                if enc is not None and m["bootstrap_room"] not in self.board.waiters:
+                    enc.check(m)  # a waiting request gets it anyway: it falls back, with the reason
+            except SignatureError as e:
+                errors.append(str(e))
+                self.refused(e.reason, str(e), peer)
+                continue
+            except ValueError as e:
+                errors.append(str(e))
+                self.refused("malformed", str(e), peer)
+                continue
+            if self.board.post(m, buffer=self.buffering()):
+                delivered += 1
+                self.metrics.signatures.labels("delivered").inc()
+            else:
+                buffered += 1
+                self.metrics.signatures.labels("unclaimed").inc()
+        return delivered, buffered, errors
+
+    # ------------------------------------------------------------ HTTP
+    async def h_signature(self, request: web.Request) -> web.Response:
+        if (request.content_length or 0) > self.max_bytes:
+            self.refused("too_large", f"{request.content_length} bytes", request.remote)
+            return _json({"error": f"signature body over {self.max_bytes} bytes"}, 413)
+        raw = await request.content.read(self.max_bytes + 1)
+        if len(raw) > self.max_bytes:
+            self.refused("too_large", f"over {self.max_bytes} bytes", request.remote)
+            return _json({"error": f"signature body over {self.max_bytes} bytes"}, 413)
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            self.refused("bad_json", str(e), request.remote)
+            return _json({"error": f"invalid JSON body: {e}"}, 400)
+        delivered, buffered, errors = self.accept(data, request.remote)
+        out = {"accepted": delivered + buffered, "delivered": delivered,
+               "buffered": buffered, "rejected": len(errors), "errors": errors[:10]}
+        if errors and not (delivered + buffered):
+            return _json({"error": errors[0], **out}, 400)
+        return _json(out)
+
+    # ------------------------------------------------------------ TCP stream
+    async def start(self, host: str, port: int) -> int:
+        self.server = await asyncio.start_server(self.stream, host, port, limit=self.max_bytes)
+        self.port = self.server.sockets[0].getsockname()[1]
+        logger.info("signature stream on %s:%d", host, self.port)
+        return self.port
+
+    async def stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Newline-delimited JSON messages on a kept-open connection; nothing is answered.
+        A bad line is counted and logged (rate-limited); a line over the limit closes
+        the connection (the rest of that line cannot be framed)."""
+        peer = writer.get_extra_info("peername")
+        self.streams.add(writer)
+        self.metrics.event("signature_streams")
+        try:
+            while True:
+                try:
+                    line = await reader.readline()
+                except ValueError:  # longer than the limit
+                    self.refused("too_large", f"line over {self.max_bytes} bytes; closing", peer)
+                    break
+                if not line:
+                    break
+                if line.isspace():
+                    continue
+                try:
+                    data = orjson.loads(line)
+                except orjson.JSONDecodeError as e:
+                    self.refused("bad_json", str(e), peer)
+                    continue
+                self.accept(data, peer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self.streams.discard(writer)
+            writer.close()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            for w in list(self.streams):
+                w.close()
+            await self.server.wait_closed()
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
