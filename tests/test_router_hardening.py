@@ -21,6 +21,7 @@ from stub_worker import StubWorker, ToyArtifact, topic_counts  # noqa: E402
 from test_router import BOOT_PORT, cluster, free_port, post, run  # noqa: E402
 
 from eldr_sglang.router.app import Router, start_router  # noqa: E402
+from eldr_sglang.router.config import RouterConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(30)
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +84,7 @@ def test_reload_calibration_good_bad_and_k_mismatch(tmp_path):
             assert out["artifact"]["num_clusters"] == 2 and out["warnings"]
             own = out["policy_state"]["ownership"]
             assert own == [[0], [1], [0], [1]]  # every server owns one, every centroid owned
-            assert router.calibration_path == good
+            assert router.routing.calibration_path == good
             # topic:1 -> centroid 1, owned by d1 and d3: split by load, never d0/d2
             assert await server_of(http, url, "topic:1") in ("d1", "d3")
             assert await server_of(http, url, "topic:0") in ("d0", "d2")
@@ -120,9 +121,9 @@ def test_admin_auth_token_and_loopback():
 
             class Fake:
                 remote, headers = "10.1.2.3", {}
-            assert st == 200 and router.admin_allowed(Fake()) is False
+            assert st == 200 and router.admin.allowed(Fake()) is False
             Fake.remote = "::1"
-            assert router.admin_allowed(Fake()) is True
+            assert router.admin.allowed(Fake()) is True
     run(main())
 
 
@@ -140,12 +141,12 @@ def test_config_file_yaml_json_and_cli_override(tmp_path):
     assert a.decode == ["http://127.0.0.1:3", "http://127.0.0.1:4"]
     assert a.signature_timeout == 7.0 and a.health_interval == 0.5 and a.admin_token == "tok"
     r = build_router(a)
-    assert r.max_body == 1024 * 1024 and r.decision_level == logging.INFO
-    assert r.calibration_path == art
+    assert r.config.max_body_mb == 1 and r.decision_level == logging.INFO
+    assert r.routing.calibration_path == art
     (tmp_path / "r.json").write_text(json.dumps({"prefill": ["http://p:1"], "decode": ["http://d:1"],
                                                  "policy": "jsq"}))
     a = parse_args(["--config", str(tmp_path / "r.json"), "--decode", "http://other:2"])
-    assert a.decode == ["http://other:2"] and a.policy == "jsq" and a.signature_timeout == 30.0
+    assert a.decode == ["http://other:2"] and a.policy == "jsq" and a.signature_timeout == RouterConfig.signature_timeout
     (tmp_path / "bad.json").write_text(json.dumps({"prefill": ["http://p:1"], "decode": ["x"],
                                                    "no_such_flag": 1}))
     with pytest.raises(SystemExit):
@@ -217,24 +218,24 @@ def test_circuit_breaker_opens_half_opens_and_closes():
             for _ in range(3):  # worker 5xx passed through; 3 in a row open the breaker
                 st, raw = await post(http, f"{url}/generate", {"text": "topic:0"})
                 assert st == 500 and "stub d0 failure" in raw.decode()
-            assert d0.breaker == "open" and decodes[0].served == 3
+            assert d0.breaker.state == "open" and decodes[0].served == 3
             assert await server_of(http, url, "topic:0") == "d1"  # open: skipped
             assert decodes[0].served == 3
             await asyncio.sleep(0.35)
             # half-open: one trial; it fails (4th failure) -> open again
             st, _ = await post(http, f"{url}/generate", {"text": "topic:0"})
-            assert st == 500 and d0.breaker == "open" and decodes[0].served == 4
+            assert st == 500 and d0.breaker.state == "open" and decodes[0].served == 4
             assert await server_of(http, url, "topic:0") == "d1"
             await asyncio.sleep(0.35)
             assert await server_of(http, url, "topic:0") == "d0"  # trial succeeds -> closed
-            assert d0.breaker == "closed" and d0.consecutive_failures == 0
+            assert d0.breaker.state == "closed" and d0.breaker.failures == 0
             assert await server_of(http, url, "topic:0") == "d0"
             # 4xx is the client's fault: passed through, breaker untouched
             decodes[0].fail_first, decodes[0].fail_status, decodes[0].served = 5, 429, 0
             for _ in range(4):
                 st, raw = await post(http, f"{url}/generate", {"text": "topic:0"})
                 assert st == 429 and "error" in orjson.loads(raw)
-            assert d0.breaker == "closed"
+            assert d0.breaker.state == "closed"
     run(main())
 
 
@@ -255,7 +256,7 @@ def test_prefill_refused_is_retried_on_another_prefill():
                 assert await server_of(http, url, f"topic:{t}") == f"d{t}"
         assert router.metrics.value("retries", role="prefill") >= 1
         assert decodes[0].requests[0]["bootstrap_port"] == 7002  # the live prefill's address
-        assert router.prefills[0].breaker == "open"
+        assert router.prefills[0].breaker.state == "open"
         await runner.cleanup()
         for w in [p_live] + decodes:
             await w.stop()
@@ -274,7 +275,8 @@ def test_oversized_and_malformed_bodies_are_4xx_json():
                 st, raw = await post(http, f"{url}/generate", body)
                 assert 400 <= st < 500 and "error" in orjson.loads(raw), (body, st, raw)
             assert await server_of(http, url, "topic:1") == "d1"  # still serving
-            assert router.metrics.value("errors", kind="too_large") == 2
+            assert router.metrics.value("errors", kind="too_large") == 1
+            assert router.metrics.value("errors", kind="signature_too_large") == 1
     run(main())
 
 
@@ -287,7 +289,7 @@ def test_bounded_state_waiters_and_early_messages():
                 with pytest.raises(asyncio.TimeoutError):
                     await post(http, f"{url}/generate", {"text": "topic:1"},
                                timeout=aiohttp.ClientTimeout(total=0.1))
-            await wait_for(lambda: not router.board.waiters and router.active == 0)
+            await wait_for(lambda: not router.board.waiters and router.dispatcher.active == 0)
             # unclaimed messages: capped at signature_buffer, then expire by TTL with no traffic
             msgs = [{"bootstrap_room": 1000 + i, "layers": [0, 1], "counts": topic_counts("topic:0")}
                     for i in range(50)]
@@ -369,11 +371,11 @@ def test_kill_decode_mid_load_every_request_ends_and_routing_recovers():
                     assert "decode server" in body["error"], body  # a clear error
             assert codes.count(200) >= 50
             d1 = router.decodes[1]
-            assert d1.breaker == "open" or not d1.alive
+            assert d1.breaker.state == "open" or not d1.alive
             # recovery: later traffic for region 1 all succeeds elsewhere
             for i in range(6):
                 assert await server_of(http, url, f"topic:1 after {i}") in ("d0", "d2")
-            assert router.active == 0 and not router.board.waiters
+            assert router.dispatcher.active == 0 and not router.board.waiters
             assert all(d.inflight == 0 for d in router.decodes)
     run(main())
 
@@ -419,4 +421,4 @@ def test_ports_in_use_or_clashing_stop_the_cli_with_a_message():
             assert "Traceback" not in done.stderr and "Unclosed client session" not in done.stderr
     done = subprocess.run(base + ["--port", "8123", "--signature-port", "8123"],
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "--signature-port 8123 is the router's --port" in done.stderr
+    assert done.returncode == 2 and "--signature-port: 8123 is the router's port" in done.stderr

@@ -93,7 +93,8 @@ class Router:
                                      c.calibration)
         self.board = SignatureBoard(ttl=c.signature_ttl, max_buffered=c.signature_buffer,
                                     max_bytes=int(c.signature_buffer_mb * (1 << 20)))
-        self.intake = SignatureIntake(self.board, self.metrics, int(c.signature_max_kb * 1024),
+        self.intake = SignatureIntake(self.board, self.metrics,
+                                      int(min(c.signature_max_kb * 1024, c.max_body_mb * (1 << 20))),
                                       encoder=lambda: self.routing.encoder,
                                       buffering=lambda: self.routing.policy.needs_signature)
         self.wait_limit = WaitLimit(c.signature_timeout, c.signature_timeout_min,
