@@ -19,7 +19,12 @@ that connection without an answer, "stop" stops the whole server, "exit" ends th
 process -- the CLI default), ``hang`` (never answer until aborted),
 ``send_signature=False`` / ``--no-signature`` (prefill never posts a signature),
 ``signature_url`` (``http://.../eldr/signature`` or ``tcp://host:port``),
-``signature_delay`` (slow publish), ``packed_counts=False`` / ``--list-counts``
+``signature_delay`` (slow publish), ``signature_on_failure=False`` (a failing prefill
+fails before publishing; by default it publishes first, as a prefill whose KV
+transfer fails later does), ``fail_after_kv`` (share of prefill requests that fail
+after a decode took the room: the prefill's answer is 500 while the decode
+succeeds), ``freeze()`` / ``thaw()`` (like SIGSTOP: every endpoint, health
+included, stops answering), ``packed_counts=False`` / ``--list-counts``
 (counts as JSON rows instead of the engine's packed base64 form), ``health_status`` (what ``/health`` answers),
 ``stream_chunks`` / ``stream_delay`` (slow SSE stream), ``kv`` (a :class:`KvHandoff`
 shared by in-process prefill and decode stubs: SGLang's PD dependency, see there). It records every request
@@ -50,6 +55,7 @@ import orjson
 from aiohttp import web
 
 from eldr_sglang.core.counts_codec import pack_counts
+from eldr_sglang.patches.publish import RETURN_ADDRESS_KEY
 
 
 def topic_counts(text: str, layers: Sequence[int] = (0, 1), num_experts: int = 8,
@@ -173,6 +179,8 @@ class StubWorker:
         seed: int = 0,
         model: str = "stub-model",
         kv: Optional[KvHandoff] = None,
+        signature_on_failure: bool = True,
+        fail_after_kv: float = 0.0,
     ) -> None:
         assert role in ("prefill", "decode")
         self.role, self.name = role, name or role
@@ -193,16 +201,21 @@ class StubWorker:
         self.rng = random.Random(seed)
         self.model = model
         self.kv = kv
+        self.signature_on_failure, self.fail_after_kv = signature_on_failure, fail_after_kv
+        self.active = 0  # generate requests being answered (reported on /v1/loads)
+        self._thawed = asyncio.Event()
+        self._thawed.set()
         self.requests: list[dict] = []
+        self.failed: list[str] = []  # rids this worker answered with an error
         self.aborts: list[str] = []
         self.signatures: list[Any] = []
         self._abort_events: dict[str, asyncio.Event] = {}
         self._runner: Optional[web.AppRunner] = None
         self._session: Optional[aiohttp.ClientSession] = None
         self._tasks: set[asyncio.Task] = set()
-        self._outbox: list[dict] = []  # signature messages not sent yet
-        self._sender: Optional[asyncio.Task] = None
-        self._sig_writer: Optional[asyncio.StreamWriter] = None
+        self._outbox: dict[str, list[dict]] = {}  # per destination: messages not sent yet
+        self._senders: dict[str, asyncio.Task] = {}
+        self._writers: dict[str, asyncio.StreamWriter] = {}
         self.url = ""
 
     # ------------------------------------------------------------------ app
@@ -219,7 +232,15 @@ class StubWorker:
         for p in ("/model_info", "/get_model_info"):
             app.router.add_get(p, self.h_model_info)
         app.router.add_get("/v1/models", self.h_models)
+        app.router.add_get("/v1/loads", self.h_loads)
         return app
+
+    def freeze(self) -> None:
+        """Stop answering anything (health included), like a SIGSTOPped process."""
+        self._thawed.clear()
+
+    def thaw(self) -> None:
+        self._thawed.set()
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         self._session = aiohttp.ClientSession()
@@ -238,8 +259,9 @@ class StubWorker:
         for t in list(self._tasks):
             t.cancel()
         runner, self._runner = self._runner, None
-        if self._sig_writer is not None:
-            self._sig_writer.close()
+        for w in self._writers.values():
+            w.close()
+        self._thawed.set()
         await runner.cleanup()
         if self._session:
             await self._session.close()
@@ -249,8 +271,15 @@ class StubWorker:
         return web.Response(status=200)
 
     async def h_health(self, request: web.Request) -> web.Response:
+        await self._thawed.wait()
         self.health_checks += 1
         return web.Response(status=self.health_status)
+
+    async def h_loads(self, request: web.Request) -> web.Response:
+        """SGLang's ``GET /v1/loads`` (core section): requests being answered here."""
+        await self._thawed.wait()
+        return web.json_response({"loads": [{"dp_rank": 0, "num_running_reqs": self.active,
+                                             "num_waiting_reqs": 0}]})
 
     async def h_info(self, request: web.Request) -> web.Response:
         return web.json_response({"role": self.role, "name": self.name,
@@ -282,48 +311,59 @@ class StubWorker:
         t.add_done_callback(self._tasks.discard)
         return t
 
-    def _publish(self, msgs: list[dict], delay: Optional[float] = None) -> None:
-        """Queue signature messages. On an open TCP stream with nothing in flight they
-        are written at once, as the engine's publisher thread does at prefill
-        completion; otherwise the sender task sends them (``signature_delay`` first)."""
+    def _publish(self, msgs: list[dict], dest: str, delay: Optional[float] = None) -> None:
+        """Queue signature messages for ``dest``. On an open TCP stream with nothing in
+        flight they are written at once, as the engine's publisher thread does at
+        prefill completion; otherwise a sender task sends them (``signature_delay`` first)."""
         delay = self.signature_delay if delay is None else delay
         if delay:
             async def later() -> None:
                 await asyncio.sleep(delay)
-                self._publish(msgs, delay=0)
+                self._publish(msgs, dest, delay=0)
             self._track(later())
             return
         self.signatures.append(msgs)
-        self._outbox.extend(msgs)
-        if self._sender is not None and not self._sender.done():
+        self._outbox.setdefault(dest, []).extend(msgs)
+        sender = self._senders.get(dest)
+        if sender is not None and not sender.done():
             return  # the running sender takes them
-        w = self._sig_writer
+        w = self._writers.get(dest)
         if w is not None and not w.is_closing():
-            batch, self._outbox = self._outbox, []
+            batch, self._outbox[dest] = self._outbox[dest], []
             w.write(_json_lines(batch))
         else:
-            self._sender = self._track(self._send_outbox())
+            self._senders[dest] = self._track(self._send_outbox(dest))
 
-    async def _send_outbox(self) -> None:
+    async def _send_outbox(self, dest: str) -> None:
         """Like the engine's publisher: one send carries every message queued meanwhile,
         as one HTTP POST (a JSON list) or JSON lines on a kept-open TCP connection."""
-        while self._outbox:
-            batch, self._outbox = self._outbox, []
+        while self._outbox.get(dest):
+            batch, self._outbox[dest] = self._outbox[dest], []
             try:
-                if self.signature_url.startswith("tcp://"):
-                    if self._sig_writer is None or self._sig_writer.is_closing():
-                        u = urllib.parse.urlsplit(self.signature_url)
-                        _, self._sig_writer = await asyncio.open_connection(u.hostname, u.port)
-                    self._sig_writer.write(_json_lines(batch))
-                    await self._sig_writer.drain()
+                if dest.startswith("tcp://"):
+                    w = self._writers.get(dest)
+                    if w is None or w.is_closing():
+                        u = urllib.parse.urlsplit(dest)
+                        _, w = await asyncio.open_connection(u.hostname, u.port)
+                        self._writers[dest] = w
+                    w.write(_json_lines(batch))
+                    await w.drain()
                 else:
-                    async with self._session.post(self.signature_url, data=orjson.dumps(
+                    async with self._session.post(dest, data=orjson.dumps(
                             batch if len(batch) > 1 else batch[0])) as r:
                         await r.read()
             except (aiohttp.ClientError, OSError):
-                if self._sig_writer is not None:
-                    self._sig_writer.close()
-                    self._sig_writer = None
+                w = self._writers.pop(dest, None)
+                if w is not None:
+                    w.close()
+
+    def _failure(self, rids: list[str]) -> web.Response:
+        self.failed.extend(rids)
+        message = f"stub {self.name} failure"
+        if self.fail_body == "text":
+            return web.Response(text=message, status=self.fail_status)
+        body = {"detail": message} if self.fail_body == "detail" else {"error": {"message": message}}
+        return web.json_response(body, status=self.fail_status)
 
     async def _crash(self, request: web.Request) -> web.StreamResponse:
         if self.crash_mode == "exit":
@@ -340,6 +380,14 @@ class StubWorker:
         raise asyncio.CancelledError()
 
     async def h_generate(self, request: web.Request) -> web.StreamResponse:
+        await self._thawed.wait()
+        self.active += 1
+        try:
+            return await self._generate(request)
+        finally:
+            self.active -= 1
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json(loads=orjson.loads)
         endpoint = request.path.lstrip("/")
         self.served += 1
@@ -350,20 +398,22 @@ class StubWorker:
         n = len(texts)
         rids = [str(r) for r in _as_list(body.get("rid", ""), n)]
         rooms = _as_list(body.get("bootstrap_room"), n)
-        if self.role == "prefill" and self.send_signature and self.signature_url:
+        fail = self.served <= self.fail_first or (self.fail_rate and self.rng.random() < self.fail_rate)
+        dest = _return_address(body) or self.signature_url
+        if (self.role == "prefill" and self.send_signature and dest
+                and (self.signature_on_failure or not fail)):
             msgs = [{"bootstrap_room": rooms[i], "rid": rids[i], "prompt_tokens": len(texts[i].split()),
                      "cached_tokens": 0, "layers": self.layers, "counts": self._counts(texts[i])}
                     for i in range(n)]
-            self._publish(msgs)
-        if self.served <= self.fail_first or (self.fail_rate and self.rng.random() < self.fail_rate):
-            message = f"stub {self.name} failure"
-            if self.fail_body == "text":
-                return web.Response(text=message, status=self.fail_status)
-            body = {"detail": message} if self.fail_body == "detail" else {"error": {"message": message}}
-            return web.json_response(body, status=self.fail_status)
+            self._publish(msgs, dest)
+        if fail:
+            return self._failure(rids)
         if self.kv is not None and not await self.kv.meet(self.role, rooms):
+            self.failed.extend(rids)
             return web.json_response({"error": {"message": f"stub {self.name}: KV transfer timed out"}},
                                      status=500)
+        if self.fail_after_kv and self.rng.random() < self.fail_after_kv:
+            return self._failure(rids)
         ev = asyncio.Event()
         for r in rids:
             self._abort_events[r] = ev
@@ -402,6 +452,16 @@ class StubWorker:
         finally:
             for r in rids:
                 self._abort_events.pop(r, None)
+
+
+def _return_address(body: dict) -> Optional[str]:
+    """The signature return address a router put in the request, as the engine reads it."""
+    sp = body.get("sampling_params")
+    for cp in ((sp[0] if isinstance(sp, list) and sp else sp or {}).get("custom_params"),
+               body.get("custom_params")):
+        if isinstance(cp, dict) and isinstance(cp.get(RETURN_ADDRESS_KEY), str):
+            return cp[RETURN_ADDRESS_KEY]
+    return None
 
 
 def main(argv: Optional[list[str]] = None) -> None:

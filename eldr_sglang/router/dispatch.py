@@ -521,10 +521,18 @@ class Dispatcher:
             r.spawn(self.abort(rids, [fl.prefill]))
             return worker_error_response(resp.status, data, d.url)
         if not stream:
+            read = asyncio.ensure_future(resp.read())
             try:
-                data = await resp.read()
+                if not prefill_task.done():  # a prefill failing meanwhile stops the decode
+                    await asyncio.wait({read, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
+                if prefill_task.done() and not read.done() and not prefill_task.result().ok:
+                    r.spawn(self.abort(rids, [d]))
+                    return self._prefill_error(prefill_task.result())
+                data = await read
             except upstream.UpstreamError as e:
                 return self._decode_failed(d, ticket, e, rids, fl)
+            finally:
+                read.cancel()
             pool.success(d, ticket)
             res = await self._prefill_outcome(prefill_task)
             if not res.ok:
