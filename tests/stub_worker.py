@@ -412,8 +412,6 @@ class StubWorker:
             self.failed.extend(rids)
             return web.json_response({"error": {"message": f"stub {self.name}: KV transfer timed out"}},
                                      status=500)
-        if self.fail_after_kv and self.rng.random() < self.fail_after_kv:
-            return self._failure(rids)
         ev = asyncio.Event()
         for r in rids:
             self._abort_events[r] = ev
@@ -427,6 +425,8 @@ class StubWorker:
                     pass
             if ev.is_set():
                 return web.json_response({"error": {"message": "aborted"}}, status=499)
+            if self.fail_after_kv and self.rng.random() < self.fail_after_kv:
+                return self._failure(rids)  # after the KV handoff and ``latency``
             items = [{"text": f"{self.name}:{texts[i][:20]}",
                       "meta_info": {"id": rids[i], "server": self.name, "role": self.role,
                                     "bootstrap_room": rooms[i],

@@ -124,7 +124,7 @@ async def until(pred, timeout=10.0):
     ({"fail_rate": 0.3}, False, {}),                                 # 5xx after its signature
     ({"fail_rate": 0.3, "signature_on_failure": False}, False, {}),  # 5xx before any signature
     ({"fail_after_kv": 0.3}, True, {"latency": 0.3}),                # 5xx while the decode runs
-    ({"fail_after_kv": 0.3}, True, {}),                              # 5xx after the decode answered
+    ({"fail_after_kv": 0.3, "latency": 0.3}, True, {}),              # 5xx after the decode answered
     ({"fail_rate": 0.3, "fail_body": "detail"}, True, {}),           # SGLang's abort body, PD order
 ], ids=["after-signature", "before-signature", "during-decode", "after-decode",
         "detail-body-pd-order"])
