@@ -30,6 +30,9 @@ def test_split_argv_takes_only_eldr_flags():
     (["--eldr-calibration", "/no/such/file.json"], "no such file"),
     (["--eldr-metrics-port", "http"], "--eldr-metrics-port"),
     (["--eldr-layers"], "--eldr-layers: expected one argument"),
+    (["--eldr-layers", "1", "--eldr-publish-timeout", "-5"], "--eldr-publish-timeout"),
+    (["--eldr-layers", "1", "--eldr-publish-timeout", "0"], "--eldr-publish-timeout"),
+    (["--eldr-layers", "1", "--eldr-publish", "requests"], "--eldr-publish"),
 ])
 def test_bad_flags_are_refused_with_the_flag_named(argv, fragment):
     with pytest.raises(FlagError, match=fragment):
@@ -49,6 +52,8 @@ def test_config_round_trips_through_the_environment(tmp_path):
     assert cfg.active and cfg.layers == (0, 3)
     assert EngineConfig.from_env({"ELDR_ENGINE_CONFIG": cfg.to_env()}) == cfg
     assert not EngineConfig.from_env({}).active
+    # 'request': publish only to the return address each routed request carries
+    assert parse_eldr_flags(["--eldr-layers", "1", "--eldr-publish", "request"]).publish == "request"
     assert parse_eldr_flags(["--eldr-trace-dir", str(tmp_path / "t")]).layers == "all"
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eldr_sglang.core.counts_codec import pack_counts
-from eldr_sglang.patches.flags import EngineConfig, FlagError, check_model_dims
+from eldr_sglang.patches.flags import REQUEST_ONLY, EngineConfig, FlagError, check_model_dims
 from eldr_sglang.patches.publish import RETURN_ADDRESS_KEY, SignaturePublisher
 from eldr_sglang.radix_signature import ExpertSlotTable
 
@@ -129,7 +129,8 @@ def _init(state: CaptureState, model_runner) -> None:
         state.ready = True
         return
     if state.config.publish and state.table is not None:
-        state.publisher = SignaturePublisher(state.config.publish, timeout=state.config.publish_timeout)
+        default = None if state.config.publish == REQUEST_ONLY else state.config.publish
+        state.publisher = SignaturePublisher(default, timeout=state.config.publish_timeout)
     if state.config.trace_dir:
         from eldr_sglang.patches.trace_log import TraceLog
 

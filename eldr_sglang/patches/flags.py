@@ -68,7 +68,12 @@ def _layers(value: str) -> tuple[int, ...] | str:
     return layers
 
 
+REQUEST_ONLY = "request"  # --eldr-publish request: only to the address each request carries
+
+
 def _url(value: str) -> str:
+    if value == REQUEST_ONLY:
+        return value
     u = urlparse(value)
     try:
         port = u.port
@@ -78,8 +83,9 @@ def _url(value: str) -> str:
         return value
     if u.scheme == "tcp" and u.hostname and port:
         return value
-    raise FlagError("--eldr-publish: expected http://router:8000/eldr/signature or "
-                    f"tcp://router:PORT (the router's --signature-port), got {value!r}")
+    raise FlagError("--eldr-publish: expected http://router:8000/eldr/signature, "
+                    "tcp://router:PORT (the router's --signature-port) or 'request' (only the "
+                    f"return address each routed request carries), got {value!r}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -156,6 +162,8 @@ def parse_eldr_flags(argv: list[str]) -> EngineConfig:
             kw["publish_timeout"] = float(ns.publish_timeout)
         except ValueError:
             raise FlagError(f"--eldr-publish-timeout: expected seconds, got {ns.publish_timeout!r}") from None
+        if not 0 < kw["publish_timeout"] < float("inf"):
+            raise FlagError(f"--eldr-publish-timeout: expected a number of seconds > 0, got {ns.publish_timeout!r}")
     return EngineConfig(**kw)
 
 
