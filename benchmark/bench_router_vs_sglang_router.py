@@ -53,7 +53,7 @@ import aiohttp
 import numpy as np
 import orjson
 
-from eldr_sglang.router.__main__ import run_loop  # uvloop for the stubs and the client too
+from eldr_sglang.router.cli import run_loop  # uvloop for the stubs and the client too
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

@@ -18,6 +18,6 @@ def test_core_imports_no_engine_or_web_stack():
     assert not mods & {"sglang", "torch", "aiohttp"}, mods & {"sglang", "torch", "aiohttp"}
 
 
-@pytest.mark.parametrize("module", ["eldr_sglang.router.app", "eldr_sglang.router.__main__"])
+@pytest.mark.parametrize("module", ["eldr_sglang.router.app", "eldr_sglang.router.cli"])
 def test_router_does_not_import_sglang(module):
     assert "sglang" not in _imported(f"import {module}")

@@ -84,7 +84,7 @@ def test_preset_commands(preset, n_prefill, n_decode, tp, ep):
 
 
 def test_router_command_parses_with_the_router_cli():
-    from eldr_sglang.router.__main__ import parse_args
+    from eldr_sglang.router.cli import parse_args
 
     argv = list(launches_of(P235B)[-1].argv)[3:]
     args = parse_args(argv)

@@ -414,7 +414,7 @@ def test_admin_servers_and_proxies():
 def test_cli_with_real_calibration_artifact(tmp_path):
     art_mod = pytest.importorskip("eldr_sglang.core.artifact")
     from eldr_sglang.core.traces import ModelSpec
-    from eldr_sglang.router.__main__ import build_router, parse_args
+    from eldr_sglang.router.cli import build_router, parse_args
 
     toy = ToyArtifact(num_clusters=3)
     art = art_mod.CalibrationArtifact(model=ModelSpec("toy-moe", 4, 8, 2), variant="idf",

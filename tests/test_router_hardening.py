@@ -128,7 +128,7 @@ def test_admin_auth_token_and_loopback():
 
 
 def test_config_file_yaml_json_and_cli_override(tmp_path):
-    from eldr_sglang.router.__main__ import build_router, parse_args
+    from eldr_sglang.router.cli import build_router, parse_args
 
     art = save_artifact(tmp_path / "a.json", 2)
     (tmp_path / "r.yaml").write_text(

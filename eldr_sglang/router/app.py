@@ -273,7 +273,7 @@ class Router:
     def status(self) -> dict:
         rt, pool = self.routing, self.pool
         return {
-            "policy": rt.name, "tau": rt.tau,
+            "pid": os.getpid(), "policy": rt.name, "tau": rt.tau,
             "signature_timeout": self.wait_limit.value,
             "signature_port": self.intake.port, "signature_streams": len(self.intake.streams),
             "return_address": self.return_address,
