@@ -78,7 +78,8 @@ def test_preset_commands(preset, n_prefill, n_decode, tp, ep):
     assert [r[i + 1] for i, x in enumerate(r) if x == "--decode"] == [l.url for l in decode]
     boots = [(r[i + 1], r[i + 2]) for i, x in enumerate(r) if x == "--prefill"]
     assert boots == [(l.url, flag(list(l.argv), "--disaggregation-bootstrap-port")) for l in prefill]
-    assert (flag(r, "--policy"), flag(r, "--tau"), flag(r, "--port")) == ("eldr", "0.1", "8000")
+    assert (flag(r, "--policy"), flag(r, "--port")) == ("eldr", "8000")
+    assert "--tau" not in r  # the artifact's tau applies unless the description sets one
     assert flag(r, "--signature-port") == "8001"
     assert flag(r, "--calibration") == flag(list(prefill[0].argv), "--eldr-calibration")
 
@@ -88,7 +89,7 @@ def test_router_command_parses_with_the_router_cli():
 
     argv = list(launches_of(P235B)[-1].argv)[3:]
     args = parse_args(argv)
-    assert len(args.prefill) == 4 and len(args.decode) == 6 and args.tau == 0.1
+    assert len(args.prefill) == 4 and len(args.decode) == 6 and args.tau is None
 
 
 def test_dry_run_cli_and_scripts(tmp_path):

@@ -135,7 +135,9 @@ def build_launches(cluster: Cluster) -> list[Launch]:
             argv += ["--decode", launch.url]
     argv += ["--policy", r.policy]
     if r.policy == "eldr":
-        argv += ["--calibration", cluster.calibration, "--tau", f"{r.tau:g}"]
+        argv += ["--calibration", cluster.calibration]
+        if r.tau is not None:  # else the artifact's tau (set by calibrate) applies
+            argv += ["--tau", f"{r.tau:g}"]
     argv += ["--host", r.host, "--port", str(r.port)]
     if r.signature_port is not None:
         argv += ["--signature-port", str(r.signature_port)]

@@ -8,7 +8,7 @@ Schema (unknown keys are refused)::
     ib_device: str | null          # --disaggregation-ib-device
     attention_dp_late_binding: false   # allow TP > 1 under late binding (see DEPLOY.md)
     nodes: [{name, host, gpus}]
-    router: {node, port: 8000, signature_port: 8001, host: 0.0.0.0, policy: eldr, tau: 0.1, extra_args: []}
+    router: {node, port: 8000, signature_port: 8001, host: 0.0.0.0, policy: eldr, tau: (the artifact's), extra_args: []}
                                    # signature_port: null -> engines publish over HTTP instead
     prefill: {count, tp_size: 1, ep_size: 1, nodes: [names], port, bootstrap_port, servers, extra_args, env}
     decode:  {count, tp_size: 1, ep_size: 1, nodes: [names], port, metrics_port, placement_dir,
@@ -68,7 +68,7 @@ class Router:
     signature_port: int | None = 8001  # TCP signature stream (None: HTTP POST to port)
     host: str = "0.0.0.0"
     policy: str = "eldr"
-    tau: float = 0.1
+    tau: float | None = None  # None: the calibration artifact's tau
     extra_args: tuple[str, ...] = ()
 
 
@@ -226,14 +226,15 @@ def _router(value: Any, node_names: list[str]) -> Router:
     node = _str(m["node"], "router.node")
     if node not in node_names:
         raise DescriptionError(f"router.node: unknown node {node!r} (nodes: {node_names})")
-    tau = m.get("tau", 0.1)
-    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or tau < 0:
-        raise DescriptionError(f"router.tau: expected a number >= 0, got {tau!r}")
+    tau = m.get("tau")
+    if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float)) or tau < 0):
+        raise DescriptionError(f"router.tau: expected a number >= 0 (or absent: the artifact's), got {tau!r}")
     sig = m.get("signature_port", 8001)
     return Router(node=node, port=_port(m.get("port", 8000), "router.port"),
                   signature_port=None if sig is None else _port(sig, "router.signature_port"),
                   host=_str(m.get("host", "0.0.0.0"), "router.host"),
-                  policy=_str(m.get("policy", "eldr"), "router.policy"), tau=float(tau),
+                  policy=_str(m.get("policy", "eldr"), "router.policy"),
+                  tau=None if tau is None else float(tau),
                   extra_args=_args(m.get("extra_args", []), "router.extra_args"))
 
 
