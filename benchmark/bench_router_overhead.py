@@ -164,7 +164,7 @@ async def bench_e2e(art, args) -> None:
             await timed_requests(http, url, 50, args.concurrency, "warm")
             lat = await timed_requests(http, url, args.requests, args.concurrency, "x")
             rows.append((f"router {policy}" + (" (+signature)" if policy == "eldr" else ""), lat))
-            fb = router.counters.get("fallbacks", 0)
+            fb = router.metrics.value("fallbacks")
             await runner.cleanup()
             if fb:
                 print(f"  warning: {fb} fallbacks under {policy}")

@@ -145,9 +145,12 @@ def test_bench_serving_through_eldr_router(eldr_router, fixture_model, tmp_path)
     result = run_bench_serving(eldr_router.url, fixture_model, tmp_path / "bench.jsonl", 10, 48, 8)
     assert result["completed"] == 10, result
     after = http_json(eldr_router.url + "/eldr/status")["counters"]
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("requests", "signature_messages", "signatures_used")}
-    # exactly one signature message per PD prefill, each one used for its request
+    delivered = "signature_messages{outcome=delivered}"
+    delta = {k: after.get(k, 0) - before.get(k, 0)
+             for k in ("requests", "signature_messages", delivered, "signatures_used")}
+    # exactly one signature message per PD prefill, each delivered to its waiting request
     assert delta["requests"] >= 10 and delta["signature_messages"] == delta["requests"], delta
+    assert delta[delivered] == delta["requests"], delta
     assert delta["signatures_used"] == delta["requests"], delta
     assert after.get("fallbacks", 0) == before.get("fallbacks", 0), after
 

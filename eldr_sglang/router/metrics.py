@@ -142,20 +142,23 @@ class RouterMetrics:
         return total
 
     def counters(self) -> dict[str, float]:
-        """Every counter sample as ``name{label=value,...}``: value (for status pages)."""
+        """Counters for status pages: each event by name; each other counter's total as
+        its short name, and each labelled sample as ``name{label=value,...}``."""
         out: dict[str, float] = {}
         for family in self.registry.collect():
             if family.type != "counter":
                 continue
             short = family.name.removeprefix("eldr_router_")
             for s in family.samples:
-                if s.name.endswith("_total") and s.value:
-                    if family.name == "eldr_router_events":
-                        key = s.labels["event"]
-                    else:
-                        key = short + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-                                       + "}" if s.labels else "")
-                    out[key] = s.value
+                if not (s.name.endswith("_total") and s.value):
+                    continue
+                if family.name == "eldr_router_events":
+                    out[s.labels["event"]] = s.value
+                    continue
+                out[short] = out.get(short, 0.0) + s.value
+                if s.labels:
+                    out[short + "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                        + "}"] = s.value
         return out
 
     def render(self) -> tuple[bytes, str]:
