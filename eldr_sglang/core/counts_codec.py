@@ -19,6 +19,11 @@ from typing import Any
 
 import numpy as np
 
+try:  # SIMD base64 (~1 us for a 24 x 256 message, CPython's decoder ~20 us)
+    from pybase64 import b64decode as _fast_b64decode
+except ImportError:  # pragma: no cover - optional speed-up
+    _fast_b64decode = None
+
 DTYPES = {"uint8": np.dtype("u1"), "uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
@@ -52,7 +57,10 @@ def unpack_counts(obj: Any) -> np.ndarray:
     if not isinstance(data, str):
         raise ValueError("counts.data must be a base64 string")
     try:
-        raw = binascii.a2b_base64(data, strict_mode=True)  # C; b64decode(validate=) runs a regex
+        if _fast_b64decode is not None:
+            raw = _fast_b64decode(data, validate=True)
+        else:
+            raw = binascii.a2b_base64(data, strict_mode=True)
     except (binascii.Error, ValueError, TypeError):
         raise ValueError("counts.data is not valid base64") from None
     if len(raw) != shape[0] * shape[1] * dtype.itemsize:

@@ -183,8 +183,11 @@ class Dispatcher:
         self.active = 0  # client requests being served
         self.idle = asyncio.Event()
         self.idle.set()
-        self._duration_children: dict[str, object] = {}
-        self._decision_children: dict[tuple[str, str], object] = {}
+        m = router.metrics  # request-path histograms: observed in batches (Deferred)
+        self._added, self._choose = m.deferred(m.added_latency), m.deferred(m.choose_time)
+        self._band, self._best = m.deferred(m.band_size), m.deferred(m.best_similarity)
+        self._wait = m.deferred(m.signature_wait)
+        self._decision_children: dict[tuple[str, str, str], tuple] = {}
         self._fallback_rng = np.random.default_rng(router.config.seed)
 
     # ------------------------------------------------------------ entry
@@ -205,10 +208,7 @@ class Dispatcher:
             if self.active == 0:
                 self.idle.set()
             r.metrics.client_requests.set(self.active)
-            child = self._duration_children.get(endpoint)
-            if child is None:
-                child = self._duration_children[endpoint] = r.metrics.request_duration.labels(endpoint)
-            child.observe(time.perf_counter() - t0)
+            r.metrics.deferred(r.metrics.request_duration, endpoint).observe(time.perf_counter() - t0)
 
     def _bad(self, message: str, status: int = 400) -> web.Response:
         self.r.metrics.errors.labels("bad_request" if status == 400 else "too_large").inc()
@@ -260,7 +260,7 @@ class Dispatcher:
                 try:
                     fl.decode_sent = True  # from here on the prefill is never re-sent
                     if not tried:
-                        r.metrics.added_latency.observe(time.perf_counter() - t0 - waited)
+                        self._added.observe(time.perf_counter() - t0 - waited)
                     out = await self._open_decode(d, endpoint, fl.payload, prefill_task)
                     if isinstance(out, PrefillResult):  # prefill failed first: abort the decode
                         r.spawn(self.abort(rids, [d]))
@@ -307,20 +307,22 @@ class Dispatcher:
             dec = Decision(least_loaded(loads, np.flatnonzero(allowed), self._fallback_rng),
                            routing.name, "policy_error")
         m = r.metrics
-        m.choose_time.observe(time.perf_counter() - t0)
+        self._choose.observe(time.perf_counter() - t0)
         d = decodes[dec.index]
-        m.requests.labels(routing.name, d.url).inc()
         if not routing.policy.needs_signature:
             kind = "blind"
         else:
             kind = "signature" if req.signature is not None else "fallback"
-        child = self._decision_children.get((routing.name, kind))
-        if child is None:
-            child = self._decision_children[(routing.name, kind)] = m.decisions.labels(routing.name, kind)
-        child.inc()
+        key = (routing.name, kind, d.url)
+        children = self._decision_children.get(key)
+        if children is None:  # labels() lookups cost microseconds: once per key
+            children = self._decision_children[key] = (
+                m.decisions.labels(routing.name, kind), m.requests.labels(routing.name, d.url))
+        for child in children:
+            child.inc()
         if dec.band is not None:
-            m.band_size.observe(len(dec.band))
-            m.best_similarity.observe(dec.best_similarity)
+            self._band.observe(len(dec.band))
+            self._best.observe(dec.best_similarity)
         level = r.decision_level
         if decision_logger.isEnabledFor(level):
             decision_logger.log(
@@ -342,7 +344,7 @@ class Dispatcher:
         waited = loop.time() - t0
         if failed is not None:
             return None, failed, waited
-        r.metrics.signature_wait.observe(waited)
+        self._wait.observe(waited)
         encoder = r.routing.encoder
         vectors, reasons = [], []
         for w in waiters:

@@ -32,6 +32,28 @@ _SIM = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99, 1.0
 
 
 
+class Deferred:
+    """A histogram (child) whose observations on the request path are a list append;
+    they reach Prometheus at the next :meth:`flush` (every scrape, status read, and
+    every ``FLUSH_AT`` observations), so a scrape always sees all of them."""
+
+    FLUSH_AT = 4096
+    __slots__ = ("target", "pending")
+
+    def __init__(self, target: Any) -> None:
+        self.target, self.pending = target, []
+
+    def observe(self, value: float) -> None:
+        self.pending.append(value)
+        if len(self.pending) >= self.FLUSH_AT:
+            self.flush()
+
+    def flush(self) -> None:
+        pending, self.pending = self.pending, []
+        for v in pending:
+            self.target.observe(v)
+
+
 @dataclass(slots=True)
 class WorkerMetrics:
     """One worker's metric children, looked up once (``labels()`` costs ~5 us)."""
@@ -48,6 +70,7 @@ class RouterMetrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._deferred: dict[tuple, Deferred] = {}
         self.events = Counter("eldr_router_events", "Router events without a metric of their "
                               "own (requests, aborts, client disconnects, refusals, reloads, ...)",
                               ["event"], registry=r)
@@ -118,6 +141,18 @@ class RouterMetrics:
         self.reloads = Counter("eldr_router_calibration_reloads", "Calibration reloads",
                                ["outcome"], registry=r)
 
+    def deferred(self, histogram: Any, *labels: str) -> Deferred:
+        """A :class:`Deferred` view of ``histogram`` (with ``labels``), flushed with the rest."""
+        key = (id(histogram), labels)
+        d = self._deferred.get(key)
+        if d is None:
+            d = self._deferred[key] = Deferred(histogram.labels(*labels) if labels else histogram)
+        return d
+
+    def flush(self) -> None:
+        for d in list(self._deferred.values()):
+            d.flush()
+
     def worker(self, role: str, url: str) -> WorkerMetrics:
         lab = (role, url)
         return WorkerMetrics(self.inflight.labels(*lab), self.healthy.labels(*lab),
@@ -130,6 +165,7 @@ class RouterMetrics:
     def value(self, metric: str, **labels: str) -> float:
         """Sum of the samples of counter/gauge ``metric`` (name without ``eldr_router_``
         or ``_total``) whose labels include ``labels``; 0 when none."""
+        self.flush()
         name = f"eldr_router_{metric}"
         total = 0.0
         for family in self.registry.collect():
@@ -144,6 +180,7 @@ class RouterMetrics:
     def counters(self) -> dict[str, float]:
         """Counters for status pages: each event by name; each other counter's total as
         its short name, and each labelled sample as ``name{label=value,...}``."""
+        self.flush()
         out: dict[str, float] = {}
         for family in self.registry.collect():
             if family.type != "counter":
@@ -162,4 +199,5 @@ class RouterMetrics:
         return out
 
     def render(self) -> tuple[bytes, str]:
+        self.flush()
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

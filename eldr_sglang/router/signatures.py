@@ -25,6 +25,7 @@ import numpy as np
 
 from eldr_sglang.core.artifact import DEFAULT_TAU
 from eldr_sglang.core.counts_codec import unpack_counts
+from eldr_sglang.core.signature import COUNT_VARIANTS
 
 MAX_ROOM = 2**64
 
@@ -49,7 +50,7 @@ def parse_message(obj: Any) -> dict:
     if not _is_int(room) or not 0 <= room < MAX_ROOM:
         raise ValueError("bootstrap_room must be a non-negative 64-bit integer")
     layers = obj.get("layers")
-    if not isinstance(layers, list) or not all(_is_int(x) for x in layers):
+    if not isinstance(layers, list) or not set(map(type, layers)) <= {int}:  # C-speed; bools excluded
         raise ValueError("layers must be a list of integers")
     counts = obj.get("counts")
     if isinstance(counts, dict):
@@ -190,6 +191,12 @@ class SignatureEncoder:
         idf = getattr(artifact, "idf", None)
         # [n_sel, E] the counts of a message must have (None: not known, not checked)
         self.counts_shape = tuple(np.shape(idf)) if idf is not None and np.ndim(idf) == 2 else None
+        # the core's count variants are elementwise weights then an L2 norm: done here in
+        # place on the flat counts (a few us), else through artifact.signature()
+        variant = getattr(artifact, "variant", None)
+        self._variant = variant if variant in COUNT_VARIANTS and self.counts_shape else None
+        self._idf = (np.ascontiguousarray(idf, dtype=np.float32).reshape(-1)
+                     if self._variant == "idf" else None)
 
     def check(self, msg: dict) -> None:
         """SignatureError unless the message's layers and counts shape fit the artifact."""
@@ -201,11 +208,26 @@ class SignatureEncoder:
             raise SignatureError("bad_counts", f"counts shape {list(shape)} != artifact's "
                                  f"{list(self.counts_shape)} (layers x experts)")
 
+    def _weigh(self, counts: np.ndarray) -> np.ndarray:
+        """The variant's weights on flat counts (float32, not normalised)."""
+        x = counts.reshape(-1)
+        v = self._variant
+        if v == "idf":
+            return np.multiply(x, self._idf, dtype=np.float32, casting="unsafe")
+        if v == "sqrt":
+            return np.sqrt(x, dtype=np.float32, casting="unsafe")
+        if v == "binary":
+            return (x > 0).astype(np.float32)
+        return x.astype(np.float32)  # raw
+
     def encode(self, msg: dict) -> np.ndarray:
         self.check(msg)
         try:
-            vec = np.asarray(self.artifact.signature(np.asarray(msg["counts"])),
-                             dtype=np.float32).reshape(-1)
+            if self._variant is not None:
+                vec = self._weigh(np.asarray(msg["counts"]))
+            else:
+                vec = np.asarray(self.artifact.signature(np.asarray(msg["counts"])),
+                                 dtype=np.float32).reshape(-1)
         except Exception as e:  # artifact rejects the shape etc.
             raise SignatureError("bad_counts", f"artifact.signature failed: {e}") from e
         if vec.shape[0] != self.centroids.shape[1]:
@@ -214,7 +236,9 @@ class SignatureEncoder:
         norm = math.sqrt(float(np.dot(vec, vec)))
         if not math.isfinite(norm) or norm < 1e-12:
             raise SignatureError("empty_signature", "signature is zero or not finite")
-        return vec if abs(norm - 1.0) < 1e-5 else vec / norm  # the core's are unit already
+        if abs(norm - 1.0) >= 1e-5:
+            vec *= np.float32(1.0 / norm)  # a fresh array of ours (weights or the artifact's)
+        return vec
 
     def describe(self) -> dict:
         a = self.artifact

@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 import aiohttp
 import orjson
 
-from eldr_sglang.router.breaker import STATE_CODES, CircuitBreaker, Ticket
+from eldr_sglang.router.breaker import CLOSED, STATE_CODES, CircuitBreaker, Ticket
 from eldr_sglang.router.config import RouterConfig, validate_worker_url
 from eldr_sglang.router.metrics import RouterMetrics, WorkerMetrics
 
@@ -165,10 +165,14 @@ class WorkerPool:
         return min(pool, key=lambda s: s.load)
 
     def decode_loads(self) -> list[int]:
-        return [d.load for d in self.decodes]
+        return [d.inflight if d.reported is None else d.load for d in self.decodes]
 
     def allowed_decodes(self, exclude: set[int]) -> list[bool]:
-        allowed = [d.available() and i not in exclude for i, d in enumerate(self.decodes)]
+        if not exclude:
+            allowed = [d.alive and (d.breaker.state == CLOSED or d.breaker.allows())
+                       for d in self.decodes]
+        else:
+            allowed = [d.available() and i not in exclude for i, d in enumerate(self.decodes)]
         if not any(allowed):  # nothing healthy: let every untried server be tried
             allowed = [i not in exclude for i in range(len(self.decodes))]
         return allowed

@@ -236,24 +236,17 @@ class EldrPolicy(Policy):
             sl = ss.tolist()
             if mask is None:
                 best = max(sl)
-                thr = best - thr_pad
-                cand = [i for i, v in enumerate(sl) if v >= thr] if want_band else None
-                idx, bk = -1, float("inf")
-                for i, v in enumerate(sl):
-                    if v >= thr:
-                        k = loads[i] * 4.0 - v
-                        if k < bk:
-                            idx, bk = i, k
+                picks = range(n)
             else:
-                best = max(v for v, a in zip(sl, mask) if a)
-                thr = best - thr_pad
-                cand = [i for i, v in enumerate(sl) if v >= thr and mask[i]] if want_band else None
-                idx, bk = -1, float("inf")
-                for i, v in enumerate(sl):
-                    if v >= thr and mask[i]:
-                        k = loads[i] * 4.0 - v
-                        if k < bk:
-                            idx, bk = i, k
+                picks = [i for i in range(n) if mask[i]]
+                best = max(sl[i] for i in picks)
+            thr = best - thr_pad
+            cand = [i for i in picks if sl[i] >= thr]  # the band
+            idx, bk = -1, float("inf")
+            for i in cand:
+                k = loads[i] * 4.0 - sl[i]
+                if k < bk:
+                    idx, bk = i, k
             return idx, (tuple(cand) if want_band else None), ss, best
         masked = ss if mask is None else np.where(np.asarray(mask, dtype=bool), ss, -np.inf)
         best = float(masked.max())

@@ -1,0 +1,98 @@
+"""The router's decision step, piece by piece, in one process (no network).
+
+    python benchmark/bench_decision.py [--servers 24] [--layers 24] [--experts 256]
+
+Decision step = parse the signature message (JSON + packed counts) + encode it with
+the calibration artifact (IDF weights, L2 norm) + ``Dispatcher.decide`` (loads,
+allowed mask, ``policy.explain``, metrics, decision log entry). Each piece is timed
+over many calls after a warm-up; medians and p99 in microseconds. Compare the total
+with the target (<= 20 us at 24 servers and 24 x 256 = 6,144 dimensions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+import orjson
+
+from eldr_sglang.core.artifact import CalibrationArtifact
+from eldr_sglang.core.counts_codec import pack_counts
+from eldr_sglang.core.policies import RouteRequest
+from eldr_sglang.core.traces import ModelSpec
+from eldr_sglang.router.app import Router
+from eldr_sglang.router.signatures import parse_message
+
+
+def timed(fn, iters: int, repeats: int = 5) -> dict:
+    """Median and p99 of per-call times (us), from ``repeats`` batches of ``iters`` calls."""
+    for _ in range(min(iters, 2000)):
+        fn()
+    per_call = []
+    pc = time.perf_counter
+    for _ in range(repeats):
+        samples = np.empty(iters)
+        for i in range(iters):
+            t0 = pc()
+            fn()
+            samples[i] = pc() - t0
+        per_call.append(samples)
+    allc = np.concatenate(per_call) * 1e6
+    return {"median_us": round(float(np.median(allc)), 2), "p99_us": round(float(np.quantile(allc, 0.99)), 2)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--servers", type=int, default=24)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--iters", type=int, default=20000)
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args(argv)
+    rng = np.random.default_rng(0)
+    layers = list(range(args.layers))
+    idf = rng.uniform(0.2, 3.0, (args.layers, args.experts)).astype(np.float32)
+    cents = rng.random((args.servers, args.layers * args.experts)).astype(np.float32)
+    cents /= np.linalg.norm(cents, axis=1, keepdims=True)
+    art = CalibrationArtifact(model=ModelSpec("bench", args.layers, args.experts, 8), variant="idf",
+                              layers=layers, idf=idf, centroids=cents, tau=0.1)
+    router = Router([("http://127.0.0.1:1", 8998)],
+                    [f"http://127.0.0.1:{2 + i}" for i in range(args.servers)], "eldr",
+                    artifact=art, health_interval=0, load_interval=0)
+    for i, d in enumerate(router.pool.decodes):
+        d.inflight = int(rng.integers(0, 8))
+    counts = rng.poisson(3.0, (args.layers, args.experts))
+    wire = orjson.dumps({"bootstrap_room": 1, "rid": "r", "layers": layers, "counts": pack_counts(counts)})
+    msg = parse_message(orjson.loads(wire))
+    enc = router.routing.encoder
+    sig = enc.encode(msg)
+    req = RouteRequest(sig)
+    decide = router.dispatcher.decide
+
+    def step() -> None:
+        m = parse_message(orjson.loads(wire))
+        decide(RouteRequest(enc.encode(m)))
+
+    out = {"servers": args.servers, "dim": int(cents.shape[1]), "message_bytes": len(wire),
+           "parse": timed(lambda: parse_message(orjson.loads(wire)), args.iters),
+           "encode": timed(lambda: enc.encode(msg), args.iters),
+           "matvec": timed(lambda: np.dot(router.policy._C, sig), args.iters),
+           "policy_explain": timed(lambda: router.policy.explain(req, [1] * args.servers), args.iters),
+           "decide": timed(lambda: decide(req), args.iters),
+           "decision_step": timed(step, args.iters)}
+    out["target_us"] = 20.0
+    out["met"] = out["decision_step"]["median_us"] <= out["target_us"]
+    out["command"] = "python " + " ".join(sys.argv)
+    for k, v in out.items():
+        print(f"{k:>16}: {v}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
