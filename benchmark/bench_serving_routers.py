@@ -359,7 +359,10 @@ def router_status(name: str, url: str) -> dict:
         out["status_error"] = str(e)
     try:
         _, raw = http_json("GET", f"{url}/metrics")
-        out["added_latency_metric"] = _hist_quantiles(raw.decode(), "eldr_router_added_latency_seconds")
+        text = raw.decode()
+        for key, metric in (("added_latency_metric", "eldr_router_added_latency_seconds"),
+                            ("signature_wait_metric", "eldr_router_signature_wait_seconds")):
+            out[key] = _hist_quantiles(text, metric)
     except (urllib.error.URLError, OSError) as e:
         out["metrics_error"] = str(e)
     return out
@@ -375,7 +378,7 @@ def _hist_quantiles(text: str, name: str) -> dict:
     if not buckets or buckets[-1][1] == 0:
         return {}
     total = buckets[-1][1]
-    out = {"count": total}
+    out: dict[str, Any] = {"count": total, "buckets": {str(le): c for le, c in buckets}}
     for q in (0.5, 0.99):
         out[f"p{int(q * 100)}_le_ms"] = next(le for le, c in buckets if c >= q * total) * 1e3
     return out
@@ -418,8 +421,12 @@ def summarize(runs: list[dict], paths: list[str], thr_mode: str, lat_mode: str) 
                              for k in lat if k in d]
         s["added_p99_ms"] = [lat[k]["p99_e2e_latency_ms"] - d[k]["p99_e2e_latency_ms"]
                              for k in lat if k in d]
+        sgl = by[(lat_mode, "sglang-router")]
+        s["p50_minus_sglang_router_ms"] = [lat[k]["median_e2e_latency_ms"] - sgl[k]["median_e2e_latency_ms"]
+                                           for k in lat if k in sgl]
         s["median"] = {k: _med(s[k]) for k in ("request_throughput", "p50_ms", "p99_ms",
-                                               "ratio_vs_sglang_router", "added_p50_ms", "added_p99_ms")}
+                                               "ratio_vs_sglang_router", "added_p50_ms", "added_p99_ms",
+                                               "p50_minus_sglang_router_ms")}
         out[p] = s
     return out
 
@@ -448,10 +455,10 @@ def print_table(summary: dict, tgt: list[dict], modes: dict, repeats: int, quick
     print(f"\nbench_serving (unmodified), median over {repeats} repeat(s) [min-max]; "
           f"throughput: {tm} mode (C={tc}, N={tn}); latency: {lm} mode (C={lc}, N={ln})"
           + ("; --quick smoke run: latency under load, not the targets' figures" if quick else ""))
-    print("ratio and +p50/+p99 are paired per round (path vs sglang-router / direct of the same "
-          "round), then the median over rounds")
+    print("x sglang-rt, +p50/+p99 (vs direct) and p50-sgl (vs sglang-router) are paired per round "
+          "(same round's figures), then the median over rounds; failed = failed requests")
     hdr = (f"  {'path':14s} {'req/s':>22s} {'x sglang-rt':>12s} {'p50 ms':>20s} {'p99 ms':>20s} "
-           f"{'+p50 ms':>8s} {'+p99 ms':>8s} {'failed':>6s}")
+           f"{'+p50 ms':>8s} {'+p99 ms':>8s} {'p50-sgl':>8s} {'failed':>6s}")
     print(hdr)
     for p, s in summary.items():
         m = s["median"]
@@ -459,9 +466,11 @@ def print_table(summary: dict, tgt: list[dict], modes: dict, repeats: int, quick
         ratio = f"{m['ratio_vs_sglang_router']:.2f}" if m["ratio_vs_sglang_router"] == m["ratio_vs_sglang_router"] else "n/a"
         a50 = f"{m['added_p50_ms']:+.3f}" if p != "direct" and m["added_p50_ms"] == m["added_p50_ms"] else "-"
         a99 = f"{m['added_p99_ms']:+.3f}" if p != "direct" and m["added_p99_ms"] == m["added_p99_ms"] else "-"
+        vs = m["p50_minus_sglang_router_ms"]
+        vs = f"{vs:+.3f}" if p != "sglang-router" and vs == vs else "-"
         print(f"  {p:14s} {_spread(s['request_throughput'], '.0f'):>22s} {ratio:>12s} "
               f"{_spread(s['p50_ms'], '.3f'):>20s} {_spread(s['p99_ms'], '.3f'):>20s} "
-              f"{a50:>8s} {a99:>8s} {fr:>6s}")
+              f"{a50:>8s} {a99:>8s} {vs:>8s} {fr:>6s}")
     print("targets:")
     for t in tgt:
         v = t["value"]
@@ -475,7 +484,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3, help="rounds; each runs every path once per mode")
     ap.add_argument("--throughput-prompts", type=int, default=2000)
     ap.add_argument("--throughput-concurrency", type=int, default=64)
-    ap.add_argument("--latency-prompts", type=int, default=200)
+    ap.add_argument("--latency-prompts", type=int, default=300)
     ap.add_argument("--quick", action="store_true",
                     help="smoke run (< 2 min): 1 repeat, one small mode (C=4, N=40) per path; "
                          "each bench_serving start costs ~14 s of imports")
@@ -510,6 +519,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     def on_term(*_: Any) -> None:
         raise KeyboardInterrupt()
     signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
     logdir = Path(tempfile.mkdtemp(prefix="bench_serving_routers-"))
     procs = Procs(logdir)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -635,8 +645,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             after = doc["paths"][p].get("after")
             if after:
                 st = after.get("status", {})
-                print(f"  {p}: counters {st.get('counters')}, in-router added latency "
-                      f"(metric, bucket bound, one process) {after.get('added_latency_metric')}")
+                c = st.get("counters") or {}
+                al = after.get("added_latency_metric") or {}
+                sw = after.get("signature_wait_metric") or {}
+                print(f"  {p} (/eldr/status of one process): requests {c.get('requests')}, decisions "
+                      f"{c.get('decisions')}, signatures_used {c.get('signatures_used')}, fallbacks "
+                      f"{c.get('fallbacks', 0)}; added-latency metric p50/p99 <= "
+                      f"{al.get('p50_le_ms')}/{al.get('p99_le_ms')} ms (n={al.get('count')}, "
+                      f"{(al.get('buckets') or {}).get('1e-05')} in the <= 10 us bucket); signature "
+                      f"wait p50/p99 <= {sw.get('p50_le_ms')}/{sw.get('p99_le_ms')} ms")
     except KeyboardInterrupt:
         print("\ninterrupted: stopping every process started", file=sys.stderr)
         doc["interrupted"] = True
