@@ -186,7 +186,7 @@ async def serve(router: Router, host: str, port: int, drain_timeout: float,
 
 
 def _serve_process(args: argparse.Namespace, index: int) -> None:
-    """One router process of ``--workers N`` (index i takes --signature-port + i)."""
+    """One router process (of ``--workers N``: index i takes --signature-port + i)."""
     c = args.router_config
     if c.signature_port:
         args.router_config = c = replace(c, signature_port=c.signature_port + index)
@@ -195,6 +195,9 @@ def _serve_process(args: argparse.Namespace, index: int) -> None:
         router = build_router(args)
     except (ValueError, OSError) as e:
         sys.exit(f"eldr router: {e}")
+    logging.getLogger("eldr_sglang.router").info(
+        "policy=%s tau=%s prefill=%s decode=%s", c.policy, router.tau,
+        [s.url for s in router.prefills], [s.url for s in router.decodes])
     try:
         run_loop(serve(router, c.host, c.port, c.drain_timeout, reuse_port=c.workers > 1),
                  c.event_loop)
@@ -241,22 +244,11 @@ def _setup_logging(level: str) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
-    c = args.router_config
-    _setup_logging(c.log_level)
-    if c.workers > 1:
+    if args.router_config.workers > 1:
+        _setup_logging(args.router_config.log_level)
         _supervise(args)
-        return
-    try:
-        router = build_router(args)
-    except (ValueError, OSError) as e:
-        sys.exit(f"eldr router: {e}")
-    logging.getLogger("eldr_sglang.router").info(
-        "policy=%s tau=%s prefill=%s decode=%s", c.policy, router.tau,
-        [s.url for s in router.prefills], [s.url for s in router.decodes])
-    _serve_process(args, 0)
-
-
-
+    else:
+        _serve_process(args, 0)
 
 
 def run_loop(coro, event_loop: str = "auto"):

@@ -163,13 +163,14 @@ class RouterMetrics:
         self.events.labels(name).inc(n)
 
     def value(self, metric: str, **labels: str) -> float:
-        """Sum of the samples of counter/gauge ``metric`` (name without ``eldr_router_``
-        or ``_total``) whose labels include ``labels``; 0 when none."""
+        """Sum of the samples named ``eldr_router_<metric>`` (``_total`` optional; a
+        histogram's ``..._count``/``..._sum`` too) whose labels include ``labels``; 0
+        when none."""
         self.flush()
         name = f"eldr_router_{metric}"
         total = 0.0
         for family in self.registry.collect():
-            if family.name != name:
+            if not name.startswith(family.name):
                 continue
             for s in family.samples:
                 if s.name in (name, f"{name}_total") and all(
