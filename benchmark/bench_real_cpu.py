@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from eldr_sglang import local_cluster as lc  # noqa: E402
+from eldr_sglang.core.policies import policy_spec  # noqa: E402
 from eldr_sglang.demo import DEFAULT_MODEL, DEFAULT_WORKLOAD, calibration_artifact, decode_counters  # noqa: E402
 
 POLICIES = ["round_robin", "random", "jsq", "p2c", "eldr"]
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         runs = [(f"eldr-router/{p}", lambda p=p: lc.start_eldr_router(
-            cluster, logs, policy=p, port=router_port, artifact=artifact if p == "eldr" else None))
+            cluster, logs, policy=p, port=router_port, artifact=artifact if policy_spec(p).needs_artifact else None))
             for p in args.policies]
         if not args.no_sglang_router:
             runs.append(("sglang-router/round_robin", lambda: lc.start_sglang_router(cluster, logs)))

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from stub_worker import StubWorker  # noqa: E402
 
-from eldr_sglang.core.policies import RouteRequest, make_policy  # noqa: E402
+from eldr_sglang.core.policies import RouteRequest, make_policy, policy_spec  # noqa: E402
 from eldr_sglang.router.app import Router, start_router  # noqa: E402
 from eldr_sglang.router.signatures import SignatureEncoder, parse_message  # noqa: E402
 
@@ -158,12 +158,12 @@ async def bench_e2e(art, args) -> None:
         rows = [("direct to decode stub", base)]
         for policy in ("jsq", "eldr"):
             router = Router([(purl, 8998)], durls, policy,
-                            artifact=art if policy == "eldr" else None, signature_timeout=2.0)
+                            artifact=art if policy_spec(policy).needs_artifact else None, signature_timeout=2.0)
             runner, _ = await start_router(router, port=port)
             url = f"http://127.0.0.1:{port}/generate"
             await timed_requests(http, url, 50, args.concurrency, "warm")
             lat = await timed_requests(http, url, args.requests, args.concurrency, "x")
-            rows.append((f"router {policy}" + (" (+signature)" if policy == "eldr" else ""), lat))
+            rows.append((f"router {policy}" + (" (+signature)" if policy_spec(policy).needs_artifact else ""), lat))
             fb = router.metrics.value("fallbacks")
             await runner.cleanup()
             if fb:

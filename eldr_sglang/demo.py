@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from eldr_sglang import local_cluster as lc
+from eldr_sglang.core.policies import policy_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "models" / "eldr-tiny-moe"
@@ -364,7 +365,7 @@ def main(argv=None) -> int:
         for policy in ("round_robin", "eldr"):
             lc.flush_cache(cluster.prefills[0][0].url)  # both policies start from a cold prefix cache
             router = lc.start_eldr_router(cluster, logs, policy=policy, port=router_port,
-                                          artifact=artifact if policy == "eldr" else None,
+                                          artifact=artifact if policy_spec(policy).needs_artifact else None,
                                           extra_args=["--signature-port", str(signature_port)])
             router.wait_ready(timeout=60)
             n_labels = len({label for _, label, _ in rows})

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from .spec import Cluster, DescriptionError, Role
+from eldr_sglang.core.policies import policy_spec
 
 VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "rocm": "HIP_VISIBLE_DEVICES"}
 
@@ -134,7 +135,7 @@ def build_launches(cluster: Cluster) -> list[Launch]:
         if launch.name.startswith("decode-"):
             argv += ["--decode", launch.url]
     argv += ["--policy", r.policy]
-    if r.policy == "eldr":
+    if policy_spec(r.policy).needs_artifact:
         argv += ["--calibration", cluster.calibration]
         if r.tau is not None:  # else the artifact's tau (set by calibrate) applies
             argv += ["--tau", f"{r.tau:g}"]

@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from eldr_sglang.router.config import RouterConfig
+
 VENDORS = ("rocm", "cuda")
 LATE_BINDING_BACKENDS = ("mooncake", "mooncake_tcp")
 
@@ -64,10 +66,10 @@ class Role:
 @dataclass(frozen=True)
 class Router:
     node: str
-    port: int = 8000
+    port: int = RouterConfig.port
     signature_port: int | None = 8001  # TCP signature stream (None: HTTP POST to port)
-    host: str = "0.0.0.0"
-    policy: str = "eldr"
+    host: str = RouterConfig.host
+    policy: str = RouterConfig.policy
     tau: float | None = None  # None: the calibration artifact's tau
     extra_args: tuple[str, ...] = ()
 
@@ -230,10 +232,10 @@ def _router(value: Any, node_names: list[str]) -> Router:
     if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float)) or tau < 0):
         raise DescriptionError(f"router.tau: expected a number >= 0 (or absent: the artifact's), got {tau!r}")
     sig = m.get("signature_port", 8001)
-    return Router(node=node, port=_port(m.get("port", 8000), "router.port"),
+    return Router(node=node, port=_port(m.get("port", RouterConfig.port), "router.port"),
                   signature_port=None if sig is None else _port(sig, "router.signature_port"),
-                  host=_str(m.get("host", "0.0.0.0"), "router.host"),
-                  policy=_str(m.get("policy", "eldr"), "router.policy"),
+                  host=_str(m.get("host", RouterConfig.host), "router.host"),
+                  policy=_str(m.get("policy", RouterConfig.policy), "router.policy"),
                   tau=None if tau is None else float(tau),
                   extra_args=_args(m.get("extra_args", []), "router.extra_args"))
 
