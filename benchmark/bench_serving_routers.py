@@ -2,7 +2,7 @@
 
     python benchmark/bench_serving_routers.py [--repeats 3] [--quick]
         [--throughput-prompts 2000] [--throughput-concurrency 64] [--latency-prompts 200]
-        [--paths eldr,eldr-w2,eldr-rr,sglang-router,direct] [--raw-stubs]
+        [--paths eldr,eldr-w2,eldr-rr,sglang-router,direct]
         [--json benchmark/results/bench_serving_routers.json]
 
 A benchmark, not a timed test. It starts 1 prefill + 4 decode stub workers
@@ -33,15 +33,6 @@ waits for its prefill), so a router that posts decode only after the prefill's
 signature (ELDR's late binding) pays the prefill round trip in series, one that
 posts both at once (sglang-router) in parallel; ``direct`` pays no prefill at all.
 The added latency vs ``direct`` is therefore the router *and* the PD hop it makes.
-
-Stub output and bench_serving: bench_serving's sglang backend reads
-``meta_info.completion_tokens`` (cumulative output tokens) from every streamed chunk
-that has text (``KeyError`` otherwise: every request fails, the warm-up first). The
-stub (tests/stub_worker.py) does not send it. Unless ``--raw-stubs``, the stubs run
-through this file (``--serve-stub``): the stub's own ``main()``, same flags, with
-its ``orjson.dumps`` wrapped to add ``completion_tokens = chunk + 1`` to answer
-items (and uvloop installed); nothing else changes. ``--raw-stubs`` runs
-``tests/stub_worker.py`` itself; the preflight then reports what is missing and stops.
 
 Every process it starts (stubs, routers, bench_serving) is its own process group,
 ended on exit, Ctrl-C, SIGTERM or an exception (and sent SIGTERM if this process dies).
@@ -76,43 +67,6 @@ N_DECODES = 4
 BOOTSTRAP_PORT = "8998"
 STREAM_CHUNKS = 4  # = --random-output-len: one chunk per output token
 TARGETS = {"eldr_throughput_ratio": 0.7, "eldr_w2_throughput_ratio": 1.0, "added_p50_ms": 0.5}
-
-
-# ------------------------------------------------------------------ stub child mode
-class _CompatOrjson:
-    """``orjson`` as tests/stub_worker.py sees it, except that ``dumps`` of an answer
-    item (a dict with ``meta_info``) adds ``meta_info.completion_tokens``, which
-    bench_serving's sglang backend requires in every chunk with text."""
-
-    def __init__(self) -> None:
-        import orjson
-        self._orjson = orjson
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._orjson, name)
-
-    def dumps(self, obj: Any, *a: Any, **k: Any) -> bytes:
-        meta = obj.get("meta_info") if isinstance(obj, dict) else None
-        if isinstance(meta, dict) and "completion_tokens" not in meta:
-            obj = {**obj, "meta_info": {**meta, "completion_tokens": int(obj.get("chunk", 0)) + 1}}
-        return self._orjson.dumps(obj, *a, **k)
-
-
-def serve_stub(argv: list[str]) -> None:
-    """Child: tests/stub_worker.py's own main() with the completion_tokens shim."""
-    import logging
-    sys.path.insert(0, str(ROOT / "tests"))
-    import stub_worker
-    try:
-        import uvloop
-        uvloop.install()
-    except ImportError:
-        pass
-    # sglang-router probes workers with gRPC first (HTTP/2 preface): aiohttp logs a
-    # harmless 400 per probe
-    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
-    stub_worker.orjson = _CompatOrjson()
-    stub_worker.main(argv)
 
 
 # ------------------------------------------------------------------ processes
@@ -273,9 +227,8 @@ def make_artifact(path: Path) -> str:
     return str(path)
 
 
-def stub_cmd(raw: bool, role: str, port: int, name: str) -> list[str]:
-    head = [PY, "tests/stub_worker.py"] if raw else [PY, str(Path(__file__).resolve()), "--serve-stub"]
-    return head + ["--role", role, "--name", name, "--host", "127.0.0.1", "--port", str(port),
+def stub_cmd(role: str, port: int, name: str) -> list[str]:
+    return [PY, "tests/stub_worker.py", "--role", role, "--name", name, "--host", "127.0.0.1", "--port", str(port),
                    "--stream-chunks", str(STREAM_CHUNKS)]
 
 
@@ -489,9 +442,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                     help="smoke run (< 2 min): 1 repeat, one small mode (C=4, N=40) per path; "
                          "each bench_serving start costs ~14 s of imports")
     ap.add_argument("--paths", default=",".join(ALL_PATHS), help=f"comma list of {','.join(ALL_PATHS)}")
-    ap.add_argument("--raw-stubs", action="store_true",
-                    help="run tests/stub_worker.py as is (no completion_tokens shim): the preflight "
-                         "reports what bench_serving misses and stops")
     ap.add_argument("--start-timeout", type=float, default=120.0)
     ap.add_argument("--run-timeout", type=float, default=300.0, help="longest one bench_serving run")
     ap.add_argument("--json", default=str(DEFAULT_JSON))
@@ -534,7 +484,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "config": {"repeats": repeats, "modes": {k: dict(zip(("name", "concurrency", "prompts"), v))
                                                  for k, v in modes.items()},
                    "paths": paths, "decode_stubs": N_DECODES, "prefill_stubs": 1,
-                   "stub_stream_chunks": STREAM_CHUNKS, "raw_stubs": args.raw_stubs, "quick": args.quick},
+                   "stub_stream_chunks": STREAM_CHUNKS, "quick": args.quick},
         "notes": [
             "stubs: 1 prefill + 4 decode, one process each (tests/stub_worker.py script mode); "
             "no KV handoff across processes: a decode stub answers at once, never waits for its prefill",
@@ -542,9 +492,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             "added latency = router cost + the PD prefill hop the router makes",
             "eldr/eldr-w2 post decode after the prefill's signature (serial); sglang-router and "
             "eldr-rr post prefill and decode at once",
-            ("stubs run tests/stub_worker.py's main() through --serve-stub: adds "
-             "meta_info.completion_tokens (bench_serving's sglang backend needs it) and uvloop"
-             if not args.raw_stubs else "raw stubs: tests/stub_worker.py as is"),
         ],
         "paths": {}, "runs": [],
     }
@@ -556,15 +503,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         # ---- stubs
         sp = free_port()
         prefill = f"http://127.0.0.1:{sp}"
-        stub_procs = [("stub-prefill", procs.start("stub-prefill", stub_cmd(args.raw_stubs, "prefill", sp, "p0")))]
+        stub_procs = [("stub-prefill", procs.start("stub-prefill", stub_cmd("prefill", sp, "p0")))]
         decodes = []
         for i in range(N_DECODES):
             port = free_port()
             decodes.append(f"http://127.0.0.1:{port}")
             stub_procs.append((f"stub-d{i}", procs.start(f"stub-d{i}",
-                                                          stub_cmd(args.raw_stubs, "decode", port, f"d{i}"))))
+                                                          stub_cmd("decode", port, f"d{i}"))))
         doc["stubs"] = {"prefill": prefill, "decode": decodes,
-                        "cmd": [shlex.join(stub_cmd(args.raw_stubs, "decode", 0, "dN"))]}
+                        "cmd": [shlex.join(stub_cmd("decode", 0, "dN"))]}
         # ---- routers (all started before anything is measured)
         art = make_artifact(logdir / "artifact.json")
         urls: dict[str, str] = {}
@@ -591,9 +538,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             doc["paths"][p]["preflight"] = why
             print(f"  {p:14s} {urls[p]}  ready, preflight: {why}")
             if not ok:
-                raise SystemExit(f"\nbench_serving cannot parse {p}'s answers: {why}\n"
-                                 "(the stub, tests/stub_worker.py, would have to send "
-                                 "meta_info.completion_tokens; run without --raw-stubs for the shim)")
+                raise SystemExit(f"\nbench_serving cannot parse {p}'s answers: {why}")
             for i in range(20):  # warm connections and first-use paths
                 http_json("POST", f"{urls[p]}/generate",
                           {"text": f"warmup topic:{i % 4}", "sampling_params": {"max_new_tokens": 4}})
@@ -688,6 +633,14 @@ def _environment() -> dict:
     from importlib import metadata
     env = {"python": platform.python_version(), "cores": os.cpu_count(),
            "load_average": os.getloadavg(), "platform": platform.platform()}
+    try:  # the router code measured
+        env["git_head"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                         text=True, timeout=10).stdout.strip()
+        env["git_dirty_router"] = bool(subprocess.run(
+            ["git", "status", "--porcelain", "--", "eldr_sglang"], cwd=ROOT, capture_output=True,
+            text=True, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
     for pkg in ("sglang", "sglang-router", "aiohttp", "uvloop"):
         try:
             env[pkg] = metadata.version(pkg)
@@ -697,7 +650,4 @@ def _environment() -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--serve-stub":
-        serve_stub(sys.argv[2:])
-    else:
-        sys.exit(main())
+    sys.exit(main())

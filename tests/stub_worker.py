@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import random
 import re
@@ -56,6 +57,7 @@ from aiohttp import web
 
 from eldr_sglang.core.counts_codec import pack_counts
 from eldr_sglang.patches.publish import RETURN_ADDRESS_KEY
+from eldr_sglang.router.cli import run_loop
 
 
 def topic_counts(text: str, layers: Sequence[int] = (0, 1), num_experts: int = 8,
@@ -430,6 +432,7 @@ class StubWorker:
             items = [{"text": f"{self.name}:{texts[i][:20]}",
                       "meta_info": {"id": rids[i], "server": self.name, "role": self.role,
                                     "bootstrap_room": rooms[i],
+                                    "completion_tokens": 1,
                                     "finish_reason": {"type": "length", "length": 1}}}
                      for i in range(n)]
             if not body.get("stream"):
@@ -439,7 +442,8 @@ class StubWorker:
             await out.prepare(request)
             for k in range(self.stream_chunks):
                 for it in items:
-                    await out.write(b"data: " + orjson.dumps({**it, "chunk": k}) + b"\n\n")
+                    meta = {**it["meta_info"], "completion_tokens": k + 1}  # bench_serving reads it
+                    await out.write(b"data: " + orjson.dumps({**it, "meta_info": meta, "chunk": k}) + b"\n\n")
                 if self.stream_delay:
                     try:
                         await asyncio.wait_for(ev.wait(), self.stream_delay)
@@ -501,8 +505,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(f"stub {w.role} on {await w.start(a.host, a.port)}", flush=True)
         await asyncio.Event().wait()
 
+    # sglang-router probes workers with gRPC first (HTTP/2 preface): aiohttp logs a
+    # harmless 400 per probe
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
     try:
-        asyncio.run(run())
+        run_loop(run())
     except KeyboardInterrupt:
         pass
 

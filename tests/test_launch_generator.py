@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
 

@@ -24,7 +24,7 @@ import numpy as np
 from ..core.artifact import load_artifact
 from ..core.traces import ModelSpec, load_traces
 from .plan import plan_per_server, write_plan
-from .sglang_files import MANIFEST, SERVER_FILE, parse_with_sglang, read_location_file
+from .sglang_files import MANIFEST, parse_with_sglang, read_location_file
 
 
 def build_parser() -> argparse.ArgumentParser:
