@@ -43,7 +43,7 @@ from eldr_sglang.patches.publish import RETURN_ADDRESS_KEY
 from eldr_sglang.router import upstream
 from eldr_sglang.router.responses import (JSON, error_in_body, error_response,
                                           worker_error_response)
-from eldr_sglang.router.signatures import combine
+from eldr_sglang.router.signatures import activation, combine, union
 from eldr_sglang.router.workers import Worker
 
 if TYPE_CHECKING:
@@ -246,16 +246,17 @@ class Dispatcher:
         prefill_task = r.spawn(self._prefill(fl, endpoint))
         d: Optional[Worker] = None
         try:
-            sig, waited = None, 0.0
+            route, waited = RouteRequest(label=label), 0.0
             if needs_signature:
-                sig, failed, waited = await self._await_signature(waiters, prefill_task)
+                route, failed, waited = await self._await_signature(waiters, prefill_task, label)
                 if failed is not None:
                     return self._prefill_error(failed)
             tried: set[int] = set()
             while True:
-                d, dec = self.decide(RouteRequest(signature=sig, label=label), tried, rids)
+                d, dec = self.decide(route, tried, rids)
                 r.record(rids, rooms, label, waiters, d, dec)
                 ticket = r.pool.enter(d)
+                admitted = routing.policy.admit(dec.index, route)  # until the request ends
                 try:
                     fl.decode_sent = True  # from here on the prefill is never re-sent
                     if not tried:
@@ -278,6 +279,7 @@ class Dispatcher:
                         out.release()
                 finally:
                     r.pool.leave(d, ticket)
+                    routing.policy.release(admitted)
         except asyncio.CancelledError:  # client went away
             r.metrics.event("client_disconnects")
             prefill_task.cancel()
@@ -311,7 +313,8 @@ class Dispatcher:
         if not routing.policy.needs_signature:
             kind = "blind"
         else:
-            kind = "signature" if req.signature is not None else "fallback"
+            kind = ("signature" if req.signature is not None or req.activation is not None
+                    else "fallback")
         key = (routing.name, kind, d.url)
         children = self._decision_children.get(key)
         if children is None:  # labels() lookups cost microseconds: once per key
@@ -334,18 +337,22 @@ class Dispatcher:
 
     # ------------------------------------------------------------ signature
     async def _await_signature(self, waiters: list[asyncio.Future], prefill_task: asyncio.Task,
-                               ) -> tuple[Optional[np.ndarray], Optional[PrefillResult], float]:
-        """(vector or None, failed prefill or None, seconds waited)."""
+                               label: Optional[str],
+                               ) -> tuple[RouteRequest, Optional[PrefillResult], float]:
+        """(what the policy routes by, failed prefill or None, seconds waited): the unit
+        signature (with an artifact) and, for policies that price live batches, the
+        per-step expert activation."""
         r = self.r
         t0 = time.perf_counter()  # uvloop's loop.time() moves in 1 ms steps
         failed = await self._await_rooms(waiters, prefill_task,
                                          asyncio.get_running_loop().time() + r.wait_limit.value)
         waited = time.perf_counter() - t0
         if failed is not None:
-            return None, failed, waited
+            return RouteRequest(label=label), failed, waited
         self._wait.observe(waited)
         encoder = r.routing.encoder
-        vectors, reasons = [], []
+        wants_activation = r.routing.policy.uses_activation
+        vectors, activations, reasons = [], [], []
         for w in waiters:
             if not _delivered(w):
                 reasons.append("timeout")
@@ -353,8 +360,11 @@ class Dispatcher:
             r.wait_limit.observe(waited)
             r.metrics.event("signatures_used")
             r.last_layers = w.result().get("layers")
+            if wants_activation:
+                activations.append(activation(w.result()))
             if encoder is None:
-                reasons.append("no_artifact")
+                if not wants_activation:
+                    reasons.append("no_artifact")
                 continue
             try:
                 vectors.append(encoder.encode(w.result()))
@@ -366,7 +376,7 @@ class Dispatcher:
         for reason in reasons:
             r.metrics.fallbacks.labels(reason).inc()
         r.metrics.signature_wait_limit.set(r.wait_limit.value)
-        return combine(vectors), None, waited
+        return RouteRequest(combine(vectors), label, union(activations)), None, waited
 
     @staticmethod
     async def _await_rooms(waiters: list[asyncio.Future], prefill_task: asyncio.Task,

@@ -259,6 +259,23 @@ def combine(vectors: list[np.ndarray]) -> Optional[np.ndarray]:
     return s / n if n > 1e-12 else vectors[0]
 
 
+def activation(msg: dict) -> np.ndarray:
+    """[n_sel * E] probability of each expert in one decode step of the request: its
+    prefill counts / prompt tokens (a token routes to top-k distinct experts)."""
+    counts = np.asarray(msg["counts"], dtype=np.float64)
+    tokens = max(float(msg.get("prompt_tokens") or 0), float(counts.max(initial=0.0)), 1.0)
+    return (counts / tokens).reshape(-1)
+
+
+def union(activations: list[np.ndarray]) -> Optional[np.ndarray]:
+    """A batch's activation: an expert is used if any item uses it (independent items)."""
+    if not activations:
+        return None
+    if len(activations) == 1:
+        return activations[0]
+    return 1.0 - np.prod([1.0 - np.minimum(a, 1.0) for a in activations], axis=0)
+
+
 def load_calibration(path: str) -> Any:
     """Load a calibration artifact with the core loader (imported lazily)."""
     from eldr_sglang.core.artifact import load_artifact

@@ -27,7 +27,8 @@ from ..core.clustering import BalancedKMeans
 from ..core.signature import SignatureBuilder
 from ..core.traces import TraceSet
 
-__all__ = ["calibrate_artifact", "eldr_signatures", "OracleGrouping", "oracle_grouping", "domain_map"]
+__all__ = ["calibrate_artifact", "eldr_signatures", "prefill_activations", "OracleGrouping", "oracle_grouping",
+           "domain_map"]
 
 
 def calibrate_artifact(calib_dir: str | os.PathLike, clusters: int, out: str | os.PathLike, seed: int = 0,
@@ -57,6 +58,14 @@ def calibrate_artifact(calib_dir: str | os.PathLike, clusters: int, out: str | o
 def eldr_signatures(artifact: CalibrationArtifact, traces: TraceSet) -> np.ndarray:
     """[N, D] unit signatures, as the router computes them from prefill counts."""
     return artifact.signature(traces.prefill_counts[:, artifact.layers])
+
+
+def prefill_activations(traces: TraceSet, layers: list[int]) -> np.ndarray:
+    """[N, len(layers) * E] per-step expert probabilities as the router estimates them from a
+    signature message: the selected layers' prefill counts / prompt tokens."""
+    counts = traces.prefill_counts[:, layers].astype(np.float64)
+    tokens = np.maximum(traces.prompt_tokens.astype(np.float64), counts.max(axis=(1, 2)))
+    return (counts / np.maximum(tokens, 1.0)[:, None, None]).reshape(counts.shape[0], -1)
 
 
 class OracleGrouping:

@@ -146,8 +146,12 @@ class _Server:
 
 def simulate(workload: SimWorkload, policy: Policy, config: SimConfig,
              signatures: Optional[np.ndarray] = None, cost: Optional[CostParams] = None,
-             placement: Optional[np.ndarray] = None) -> SimResult:
-    """Run one SIMULATED experiment; ``signatures`` [N, D] (rows of ``workload``) feed the policy.
+             placement: Optional[np.ndarray] = None,
+             activations: Optional[np.ndarray] = None) -> SimResult:
+    """Run one SIMULATED experiment; ``signatures`` [N, D] (rows of ``workload``) feed the policy,
+    ``activations`` [N, D'] (per-step expert probabilities from prefill counts) feed policies
+    that price a server's live batch; the policy is told of every dispatch and finish
+    (``admit`` / ``release``), as the router tells it.
 
     ``cost`` overrides ``config.cost``; ``placement`` ([E] or [L, E], trace-expert ->
     EP group) is used when the cost model has ``ep_size > 1``.
@@ -166,6 +170,8 @@ def simulate(workload: SimWorkload, policy: Policy, config: SimConfig,
         place = _group_matrix(placement, L, E, ep)  # [L, E, G] one-hot
         group_size = place.sum(axis=1)  # [L, G]
     wants_sig = signatures is not None and getattr(policy, "needs_signature", False)
+    wants_act = activations is not None and getattr(policy, "uses_activation", False)
+    tokens: list = [None] * n  # the policy's admit() tokens, released at finish
     w0, w1 = config.warmup_s, config.warmup_s + config.measure_s
 
     # prefill: the server that frees up first, FIFO (computed in arrival order)
@@ -229,7 +235,10 @@ def simulate(workload: SimWorkload, policy: Policy, config: SimConfig,
             first_token[r] = now
             sig = signatures[pick[r]] if wants_sig else None
             label = str(workload.labels[pick[r]])
-            s = policy.choose(RouteRequest(signature=sig, label=label), loads)
+            req = RouteRequest(signature=sig, label=label,
+                               activation=activations[pick[r]] if wants_act else None)
+            s = policy.choose(req, loads)
+            tokens[r] = policy.admit(s, req)
             if w0 <= arrivals[r] < w1:
                 load_sum += loads
                 load_samples += 1
@@ -256,6 +265,8 @@ def simulate(workload: SimWorkload, policy: Policy, config: SimConfig,
                 sv.ctx -= int(prompt[r] + output[r])
                 sv.logsum -= workload.log1mp[pick[r]]
                 loads[s] -= 1
+                policy.release(tokens[r])
+                tokens[r] = None
             if sv.running == 0:
                 sv.logsum[:] = 0.0  # drop accumulated rounding
             admit(sv)

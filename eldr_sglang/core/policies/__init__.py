@@ -20,10 +20,11 @@ for _m in pkgutil.iter_modules(__path__):
 from eldr_sglang.core.policies.balancers import JSQPolicy, P2CPolicy, RandomPolicy, RoundRobinPolicy  # noqa: E402
 from eldr_sglang.core.policies.domain import DomainPolicy  # noqa: E402
 from eldr_sglang.core.policies.eldr import CentroidOwnership, EldrPolicy  # noqa: E402
+from eldr_sglang.core.policies.state_aware import StateAwarePolicy, StepCost  # noqa: E402
 
 POLICY_NAMES = tuple(policy_names())
 
 __all__ = ["Decision", "Policy", "PolicyContext", "PolicySpec", "RouteRequest", "build_policy",
            "least_loaded", "make_policy", "policy_names", "policy_spec", "register_policy",
            "RandomPolicy", "RoundRobinPolicy", "JSQPolicy", "P2CPolicy", "DomainPolicy",
-           "CentroidOwnership", "EldrPolicy", "POLICY_NAMES"]
+           "CentroidOwnership", "EldrPolicy", "StateAwarePolicy", "StepCost", "POLICY_NAMES"]

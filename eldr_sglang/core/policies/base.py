@@ -27,7 +27,7 @@ imported by ``__init__``, so a new policy is one new file (and its test).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -43,6 +43,9 @@ class RouteRequest:
 
     signature: Optional[np.ndarray] = None
     label: Optional[str] = None
+    # [n_sel * E] probability of each expert in one decode step (prefill counts / prompt
+    # tokens); read by policies that price a server's live batch
+    activation: Optional[np.ndarray] = None
 
 
 @dataclass(slots=True)  # not frozen: a frozen __init__ costs ~2 us per decision
@@ -84,7 +87,8 @@ class Policy:
     """Base class. Subclasses implement :meth:`choose`."""
 
     name: str = "base"
-    needs_signature: bool = False
+    needs_signature: bool = False  # wait for the request's signature message
+    uses_activation: bool = False  # route by RouteRequest.activation (no artifact needed)
 
     def choose(
         self,
@@ -102,6 +106,13 @@ class Policy:
     ) -> Decision:
         """Like :meth:`choose` (same pick, same state change) plus the reason."""
         return Decision(self.choose(request, loads, allowed), self.name, "pick")
+
+    def admit(self, index: int, request: RouteRequest) -> Any:
+        """The request was sent to server ``index``; returns a token for :meth:`release`."""
+        return None
+
+    def release(self, token: Any) -> None:
+        """The request of ``token`` left its server (finished, failed or aborted)."""
 
     def add_server(self) -> None:
         """A server was appended at the end of the server list."""
