@@ -232,6 +232,8 @@ def report_json(reports: list[PhaseReport], decode_urls: list[str]) -> dict:
             "router_counters": rep.router_counters,
         } for rep in reports},
         "equal_batch_change_pct": change, "matched_steps": matched,
+        "vs_baseline": {rep.policy: dict(zip(("equal_batch_change_pct", "matched_steps"),
+                                             matched_change(reports[0], rep))) for rep in reports[1:]},
     }
 
 
@@ -255,17 +257,18 @@ def print_report(reports: list[PhaseReport], decode_urls: list[str]) -> str:
                                                               for rep in reports))
     for key in figs[0]:
         lines.append(key.ljust(26) + "".join(f"{f[key]:{w}.1f}" for f in figs))
-    change, matched = matched_change(reports[0], reports[-1])
-    lines.append("distinct experts per step by batch size (batch: " + reports[0].policy + " | "
-                 + reports[-1].policy + "):")
-    for b in sorted(set(reports[0].by_batch) | set(reports[-1].by_batch)):
+    lines.append("distinct experts per step by batch size (batch: "
+                 + " | ".join(r.policy for r in reports) + "):")
+    for b in sorted(set().union(*(r.by_batch for r in reports))):
         cells = [f"{np.mean(r.by_batch[b]):5.1f} ({len(r.by_batch[b])} steps)" if b in r.by_batch else "-"
-                 for r in (reports[0], reports[-1])]
-        lines.append(f"  {b:3d}: {cells[0]} | {cells[1]}")
-    verdict = (f"at equal batch size, ELDR activated {abs(change):.1f}% {'fewer' if change < 0 else 'more'} "
-               f"distinct experts per decode step than {reports[0].policy} ({matched} matched steps).")
+                 for r in reports]
+        lines.append(f"  {b:3d}: " + " | ".join(cells))
     lines.append("")
-    lines.append("Verdict: " + verdict)
+    for rep in reports[1:]:
+        change, matched = matched_change(reports[0], rep)
+        lines.append(f"Verdict: at equal batch size, {rep.policy} activated {abs(change):.1f}% "
+                     f"{'fewer' if change < 0 else 'more'} distinct experts per decode step than "
+                     f"{reports[0].policy} ({matched} matched steps).")
     lines.append("Note: CPU latency here does not stand for GPU latency; distinct experts per decode step is the")
     lines.append("hardware-independent figure (a GPU decode step reads the weights of each distinct expert once).")
     lines.append("=" * 78)
@@ -298,7 +301,7 @@ def save_plot(reports: list[PhaseReport], decode_urls: list[str], out: Path) -> 
         ax.set_ylim(0, top * 1.5)  # one scale for both policies; headroom for the legend
     axes[0].legend(fontsize=7, ncol=3, loc="upper center")
     ax = axes[-1]
-    for rep, style in zip(reports, ("o--", "s-")):
+    for rep, style in zip(reports, ("o--", "s-", "^-", "d-", "v-")):
         sizes = sorted(b for b, v in rep.by_batch.items() if len(v) >= MIN_PLOT_STEPS)
         ax.plot(sizes, [np.mean(rep.by_batch[b]) for b in sizes], style, label=rep.policy)
     change, matched = matched_change(reports[0], reports[-1])
@@ -313,7 +316,7 @@ def save_plot(reports: list[PhaseReport], decode_urls: list[str], out: Path) -> 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="ELDR vs round robin on a real SGLang CPU PD cluster")
+    p = argparse.ArgumentParser(description="ELDR (and other policies) vs round robin on a real SGLang CPU PD cluster")
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     p.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD, help="requests (our workload format)")
     p.add_argument("--decodes", type=int, default=3, help="decode servers (each ~2.5 GB RAM)")
@@ -322,7 +325,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--concurrency", type=int, default=12)
     p.add_argument("--out", type=Path, default=Path(".cache/demo"))
+    p.add_argument("--policies", nargs="+", default=["round_robin", "eldr"],
+                   help="router policies replayed in turn; the first is the baseline the others "
+                        "are compared with at equal batch size")
     args = p.parse_args(argv)
+    if len(args.policies) < 2:
+        p.error("--policies: give a baseline and at least one policy to compare")
+    for name in args.policies:
+        try:
+            if policy_spec(name).needs_domain_map:
+                p.error(f"--policies: {name} needs request labels mapped to servers; not in the demo")
+        except ValueError as e:
+            p.error(f"--policies: {e}")
     if not (args.model / "config.json").is_file():
         p.error(f"--model: no Hugging Face model at {args.model}")
     if not args.workload.is_file():
@@ -362,7 +376,7 @@ def main(argv=None) -> int:
             decode_args=["--eldr-trace-dir", str(decode_trace)])
         decode_urls = [p.url for p, _ in cluster.decodes]
         reports = []
-        for policy in ("round_robin", "eldr"):
+        for policy in args.policies:
             lc.flush_cache(cluster.prefills[0][0].url)  # both policies start from a cold prefix cache
             router = lc.start_eldr_router(cluster, logs, policy=policy, port=router_port,
                                           artifact=artifact if policy_spec(policy).needs_artifact else None,
