@@ -54,6 +54,7 @@ import numpy as np
 import orjson
 
 from eldr_sglang.router.cli import run_loop  # uvloop for the stubs and the client too
+from eldr_sglang.router.metrics import histogram_quantiles
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -434,7 +435,7 @@ async def measure_all(paths: list[Target], args) -> dict:
                 extra = {"board": st["signature_buffer"], "fallbacks": st["counters"].get("fallbacks", 0)}
                 async with http.get(f"{p.url}/metrics") as resp:
                     text = await resp.text()
-                extra["added_latency_metric"] = _hist_quantiles(text, "eldr_router_added_latency_seconds")
+                extra["added_latency_metric"] = histogram_quantiles(text, "eldr_router_added_latency_seconds")
             lat = np.asarray(p.lat)
             rows[p.name] = {"name": p.name, "p50_ms": float(np.percentile(lat, 50)) * 1e3,
                             "p99_ms": float(np.percentile(lat, 99)) * 1e3, "samples": len(lat),
@@ -455,22 +456,6 @@ async def run_paths(names: list[str], args, artifact_path: str) -> dict:
     finally:
         for p in paths:
             p.stop()
-
-
-def _hist_quantiles(text: str, name: str) -> dict:
-    """Approximate p50/p99 (upper bucket bound) from a Prometheus histogram."""
-    buckets = []
-    for line in text.splitlines():
-        if line.startswith(name + "_bucket"):
-            le = line.split('le="')[1].split('"')[0]
-            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.split()[-1])))
-    if not buckets or buckets[-1][1] == 0:
-        return {}
-    total = buckets[-1][1]
-    out = {}
-    for q in (0.5, 0.99):
-        out[f"p{int(q * 100)}_le_ms"] = next(le for le, c in buckets if c >= q * total) * 1e3
-    return out
 
 
 async def _wait_sglang_workers(url: str, spent: float, timeout: float) -> None:

@@ -58,6 +58,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
+from eldr_sglang.router.metrics import histogram_quantiles
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 TOKENIZER = "models/eldr-tiny-moe"
@@ -315,25 +317,9 @@ def router_status(name: str, url: str) -> dict:
         text = raw.decode()
         for key, metric in (("added_latency_metric", "eldr_router_added_latency_seconds"),
                             ("signature_wait_metric", "eldr_router_signature_wait_seconds")):
-            out[key] = _hist_quantiles(text, metric)
+            out[key] = histogram_quantiles(text, metric)
     except (urllib.error.URLError, OSError) as e:
         out["metrics_error"] = str(e)
-    return out
-
-
-def _hist_quantiles(text: str, name: str) -> dict:
-    """Approximate p50/p99 (bucket upper bound, ms) of a Prometheus histogram."""
-    buckets = []
-    for line in text.splitlines():
-        if line.startswith(name + "_bucket"):
-            le = line.split('le="')[1].split('"')[0]
-            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.split()[-1])))
-    if not buckets or buckets[-1][1] == 0:
-        return {}
-    total = buckets[-1][1]
-    out: dict[str, Any] = {"count": total, "buckets": {str(le): c for le, c in buckets}}
-    for q in (0.5, 0.99):
-        out[f"p{int(q * 100)}_le_ms"] = next(le for le, c in buckets if c >= q * total) * 1e3
     return out
 
 

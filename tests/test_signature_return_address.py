@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
@@ -15,13 +14,7 @@ import pytest
 
 from eldr_sglang.core.counts_codec import pack_counts
 from eldr_sglang.patches.publish import RETURN_ADDRESS_KEY, SignaturePublisher
-
-
-def wait_until(pred, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
+from test_publisher import wait_until  # noqa: E402
 
 
 def message(room: int) -> dict:

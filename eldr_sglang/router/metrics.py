@@ -202,3 +202,21 @@ class RouterMetrics:
     def render(self) -> tuple[bytes, str]:
         self.flush()
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def histogram_quantiles(text: str, name: str, qs: tuple[float, ...] = (0.5, 0.99)) -> dict:
+    """From Prometheus text: each quantile's bucket upper bound (ms) of histogram ``name``,
+    the count and the buckets; {} when it has no observations (benchmarks read routers)."""
+    buckets = []
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket"):
+            le = line.split('le="')[1].split('"')[0]
+            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.split()[-1])))
+    if not buckets or buckets[-1][1] == 0:
+        return {}
+    total = buckets[-1][1]
+    out: dict[str, Any] = {"count": total, "buckets": {str(le): c for le, c in buckets}}
+    for q in qs:
+        out[f"p{int(q * 100)}_le_ms"] = next(le for le, c in buckets if c >= q * total) * 1e3
+    return out
+
