@@ -4,7 +4,7 @@
 
 Decision step = parse the signature message (JSON + packed counts) + encode it with
 the calibration artifact (IDF weights, L2 norm) + ``Dispatcher.decide`` (loads,
-allowed mask, ``policy.explain``, metrics, decision log entry). Each piece is timed
+allowed mask, ``policy.explain``, metrics) + the decision log entry. Each piece is timed
 over many calls after a warm-up; medians and p99 in microseconds. Compare the total
 with the target (<= 20 us at 24 servers and 24 x 256 = 6,144 dimensions).
 """
@@ -74,7 +74,8 @@ def main(argv=None) -> int:
 
     def step() -> None:
         m = parse_message(orjson.loads(wire))
-        decide(RouteRequest(enc.encode(m)))
+        d, dec, loads = decide(RouteRequest(enc.encode(m)))
+        router.record(["r"], [1], None, [], d, dec, loads)
 
     out = {"servers": args.servers, "dim": int(cents.shape[1]), "message_bytes": len(wire),
            "parse": timed(lambda: parse_message(orjson.loads(wire)), args.iters),

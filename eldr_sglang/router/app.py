@@ -235,18 +235,19 @@ class Router:
         return None
 
     def record(self, rids: list[str], rooms: list[int], label: Optional[str],
-               waiters: list[asyncio.Future], d: Worker, dec: Decision) -> None:
+               waiters: list[asyncio.Future], d: Worker, dec: Decision, loads: list[int]) -> None:
         """Keep the decision for ``GET /eldr/decisions``: O(K + N) numbers per entry
-        (similarities, loads), message metadata without the counts."""
+        (similarities, loads), message metadata without the counts; rendered when read."""
         messages = [{k: m.get(k) for k in ("rid", "prompt_tokens", "cached_tokens", "layers")}
                     for m in (w.result() for w in waiters
                               if w.done() and not w.cancelled() and w.exception() is None)]
         self.decisions.append((time.time(), rids, rooms, label, self.routing.name, d.url,
-                               [(x.url, x.load) for x in self.pool.decodes], messages, dec))
+                               self.pool.decodes.copy(), loads, messages, dec))
 
     @staticmethod
     def render_decision(rec: tuple) -> dict:
-        when, rids, rooms, label, policy, url, loads, messages, dec = rec
+        when, rids, rooms, label, policy, url, decodes, load_list, messages, dec = rec
+        loads = [(x.url, n) for x, n in zip(decodes, load_list)]
         out = {"time": when, "rids": rids, "rooms": rooms, "label": label, "policy": policy,
                "decode": url, "loads": dict(loads), "messages": messages, "reason": dec.reason}
         if dec.band is not None:

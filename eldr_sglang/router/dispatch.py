@@ -253,8 +253,8 @@ class Dispatcher:
                     return self._prefill_error(failed)
             tried: set[int] = set()
             while True:
-                d, dec = self.decide(route, tried, rids)
-                r.record(rids, rooms, label, waiters, d, dec)
+                d, dec, loads = self.decide(route, tried, rids)
+                r.record(rids, rooms, label, waiters, d, dec, loads)
                 ticket = r.pool.enter(d)
                 admitted = routing.policy.admit(dec.index, route)  # until the request ends
                 try:
@@ -291,8 +291,9 @@ class Dispatcher:
 
     # ------------------------------------------------------------ decision
     def decide(self, req: RouteRequest, exclude: set[int] = frozenset(),
-               rids: Sequence[str] = ()) -> tuple[Worker, Decision]:
-        """Pick the decode server with ``policy.explain`` (same pick as ``choose``)."""
+               rids: Sequence[str] = ()) -> tuple[Worker, Decision, list[int]]:
+        """Pick the decode server with ``policy.explain`` (same pick as ``choose``);
+        (server, decision, the loads it saw)."""
         r = self.r
         routing = r.routing
         pool = r.pool
@@ -333,7 +334,7 @@ class Dispatcher:
                 [(decodes[i].url, round(v, 4)) for i, v in dec.top(3)],
                 list(dec.band) if dec.band is not None else None, loads,
                 [i for i, a in enumerate(allowed) if a], dec.index, d.url)
-        return d, dec
+        return d, dec, loads
 
     # ------------------------------------------------------------ signature
     async def _await_signature(self, waiters: list[asyncio.Future], prefill_task: asyncio.Task,
