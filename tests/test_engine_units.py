@@ -105,3 +105,49 @@ def test_artifact_for_another_model_is_refused_at_start_up(tmp_path, fixture_mod
     CalibrationArtifact(ModelSpec("other", 4, 32, 4), "idf", [1], np.ones((1, 32), np.float32), unit).save(path)
     with pytest.raises(FlagError, match="num_experts is 32, expected 16"):
         check_model(parse_eldr_flags(["--eldr-calibration", str(path)]), str(fixture_model))
+
+
+def test_every_hook_target_exists_in_the_installed_sglang(monkeypatch):
+    import eldr_sglang.patches as patches
+
+    assert patches.missing_targets() == []
+    patches.check_sglang()  # the supported version, every target present
+    monkeypatch.setitem(patches.TARGETS, "renamed", "sglang.srt.managers.scheduler.Scheduler.no_such_method")
+    monkeypatch.setitem(patches.TARGETS, "moved", "sglang.srt.no_such_module.f")
+    assert sorted(patches.missing_targets()) == ["sglang.srt.managers.scheduler.Scheduler.no_such_method",
+                                                 "sglang.srt.no_such_module.f"]
+    with pytest.raises(RuntimeError, match="no_such_method"):
+        patches.check_sglang()
+
+
+def test_other_sglang_version_is_refused(monkeypatch):
+    import sglang
+
+    import eldr_sglang.patches as patches
+
+    monkeypatch.setattr(sglang, "__version__", "0.6.0", raising=False)
+    with pytest.raises(RuntimeError, match="supports sglang 0.5.23; sglang 0.6.0"):
+        patches.check_sglang()
+
+
+def test_publish_on_a_server_that_is_not_a_pd_prefill_stops_the_launcher(fixture_model):
+    import os
+
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", str(fixture_model),
+                           "--device", "cpu", "--attention-backend", "torch_native",
+                           "--eldr-layers", "1", "--eldr-publish", "tcp://127.0.0.1:9"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--eldr-publish: only a PD prefill server" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_launch_server_help_lists_the_eldr_flags():
+    proc = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for flag in ("--eldr-calibration", "--eldr-layers", "--eldr-publish", "--eldr-metrics-port",
+                 "--eldr-trace-dir", "--eldr-publish-timeout"):
+        assert flag in proc.stdout, flag
+    assert "--model-path" in proc.stdout  # SGLang's own help follows

@@ -13,7 +13,10 @@ a server without ELDR flags behaves exactly as stock SGLang.
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
+
+SUPPORTED_SGLANG = "0.5.23"  # the hook targets below are read from this version
 
 TARGETS = {
     "prepare_server_args": "sglang.srt.server_args.prepare_server_args",
@@ -26,6 +29,41 @@ TARGETS = {
     "scheduler_init": "sglang.srt.managers.scheduler.Scheduler.__init__",
     "output_streamer": "sglang.srt.managers.scheduler.Scheduler.get_output_streamer_class",
 }
+
+
+def missing_targets() -> list[str]:
+    """Hook targets the installed SGLang lacks (renamed or moved), as dotted paths."""
+    missing = []
+    for path in TARGETS.values():
+        parts = path.split(".")
+        for cut in range(len(parts) - 1, 0, -1):  # longest importable module prefix
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            try:
+                for name in parts[cut:]:
+                    obj = getattr(obj, name)
+            except AttributeError:
+                missing.append(path)
+            break
+        else:
+            missing.append(path)
+    return missing
+
+
+def check_sglang() -> None:
+    """RuntimeError naming what is wrong when ELDR flags are given to an SGLang the
+    hooks do not fit: another version, or a hook target missing."""
+    import sglang
+
+    version = getattr(sglang, "__version__", "unknown")
+    if version != SUPPORTED_SGLANG:
+        raise RuntimeError(f"eldr-sglang supports sglang {SUPPORTED_SGLANG}; sglang {version} is "
+                           "installed (pip install 'sglang==" + SUPPORTED_SGLANG + "')")
+    missing = missing_targets()
+    if missing:
+        raise RuntimeError(f"sglang {version} lacks the hook target(s) {', '.join(missing)}")
 
 
 def register() -> None:

@@ -94,14 +94,27 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="sglang.launch_server (ELDR flags)", add_help=False, allow_abbrev=False)
-    p.add_argument("--eldr-calibration", dest="calibration")
-    p.add_argument("--eldr-layers", dest="layers")
-    p.add_argument("--eldr-publish", dest="publish")
-    p.add_argument("--eldr-metrics-port", dest="metrics_port")
-    p.add_argument("--eldr-trace-dir", dest="trace_dir")
-    p.add_argument("--eldr-publish-timeout", dest="publish_timeout")
+    p = _Parser(prog="sglang.launch_server", add_help=False, allow_abbrev=False,
+                description="eldr-sglang plugin flags (expert-locality-aware decode routing)")
+    p.add_argument("--eldr-calibration", dest="calibration", metavar="PATH",
+                   help="calibration artifact: capture its selected layers")
+    p.add_argument("--eldr-layers", dest="layers", metavar="all|0,3,7",
+                   help="capture these layers without an artifact")
+    p.add_argument("--eldr-publish", dest="publish", metavar="URL",
+                   help="PD prefill: send each request's signature to the address it carries, else "
+                        "here: tcp://ROUTER:PORT, http://ROUTER:PORT/eldr/signature, or 'request'")
+    p.add_argument("--eldr-metrics-port", dest="metrics_port", metavar="PORT",
+                   help="Prometheus endpoint of the scheduler (distinct experts per decode step)")
+    p.add_argument("--eldr-trace-dir", dest="trace_dir", metavar="DIR",
+                   help="trace mode: per-request expert counts as JSON lines")
+    p.add_argument("--eldr-publish-timeout", dest="publish_timeout", metavar="S",
+                   help="connect/send timeout of one publish (default 2, > 0)")
     return p
+
+
+def eldr_help() -> str:
+    """The ``--eldr-*`` flags' help, printed before SGLang's own ``--help``."""
+    return _parser().format_help()
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -197,13 +210,23 @@ def check_model_dims(config: EngineConfig, num_layers, num_experts, top_k) -> No
 def prepare_server_args_around(original, argv, *args, **kwargs):
     """AROUND hook for ``sglang.srt.server_args.prepare_server_args``."""
     ours, theirs = split_argv(list(argv))
+    if "-h" in theirs or "--help" in theirs:
+        sys.stdout.write(eldr_help() + "\n")
     if not ours:
         return original(argv, *args, **kwargs)
     try:
         config = parse_eldr_flags(ours)
+        if config.active:  # fail loud: a renamed hook target would capture nothing
+            from eldr_sglang.patches import check_sglang
+
+            check_sglang()
         server_args = original(theirs, *args, **kwargs)
         check_model(config, server_args.model_path)
-    except FlagError as exc:
+        mode = str(getattr(server_args, "disaggregation_mode", "null"))
+        if config.publish and mode != "prefill":
+            raise FlagError(f"--eldr-publish: only a PD prefill server publishes signatures "
+                            f"(this one has --disaggregation-mode {mode})")
+    except (FlagError, RuntimeError) as exc:
         sys.stderr.write(f"error: eldr-sglang: {exc}\n")
         raise SystemExit(2)
     os.environ[ENV_KEY] = config.to_env()
