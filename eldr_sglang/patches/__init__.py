@@ -96,6 +96,6 @@ def register_capture(config) -> None:
     HookRegistry.register(TARGETS["scheduler_init"], capture.scheduler_init_after, HookType.AFTER)
     HookRegistry.register(TARGETS["forward"], capture.forward_around, HookType.AROUND)
     HookRegistry.register(TARGETS["select_experts"], capture.select_experts_after, HookType.AFTER)
-    HookRegistry.register(TARGETS["disagg_prefill"], capture.disagg_prefill_after, HookType.AFTER)
+    HookRegistry.register(TARGETS["disagg_prefill"], capture.disagg_prefill_around, HookType.AROUND)
     HookRegistry.register(TARGETS["output_streamer"], capture.output_streamer_class_after, HookType.AFTER)
     HookRegistry.register(TARGETS["release"], capture.release_before, HookType.BEFORE)

@@ -8,7 +8,7 @@ Hooks (registered by ``eldr_sglang.patches.register`` when ELDR flags are set):
   (vectorised, on the model's device, no host sync); during decode batches,
   marks the experts each layer activates, for the unique-experts-per-step
   figure;
-* AFTER ``SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill``:
+* AROUND ``SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill``:
   for each request whose prefill finished, counts the ids over all its prompt
   slots (cached prefix + new tokens) and hands a signature message to the
   publisher.
@@ -255,13 +255,29 @@ def return_address(req) -> str | None:
     return dest if isinstance(dest, str) and dest else None
 
 
-def disagg_prefill_after(result, scheduler, batch, *args, **kwargs):
+def disagg_prefill_around(original, scheduler, batch, *args, **kwargs):
+    """AROUND ``process_batch_result_disagg_prefill``: publish once per request, after
+    its LAST chunk. Which requests finish their prefill in this batch is read before
+    the call: SGLang decrements ``inflight_middle_chunks`` of a middle chunk inside it,
+    so afterwards a middle chunk looks like a last one."""
     state = STATE
     if state is None or state.table is None or (state.publisher is None and state.trace_writer is None):
-        return result
+        return original(scheduler, batch, *args, **kwargs)
     try:
-        for req in batch.reqs:
-            if getattr(req, "inflight_middle_chunks", 0) > 0 or str(req.rid).startswith(HEALTH_CHECK_PREFIX):
+        final = [req for req in batch.reqs if getattr(req, "inflight_middle_chunks", 0) <= 0]
+    except Exception as exc:
+        state.fail_once("signature publishing", exc)
+        return original(scheduler, batch, *args, **kwargs)
+    result = original(scheduler, batch, *args, **kwargs)
+    publish_finished(state, scheduler, final)
+    return result
+
+
+def publish_finished(state: CaptureState, scheduler, reqs) -> None:
+    """Publish (and trace) the whole prompt's counts of requests whose prefill is done."""
+    try:
+        for req in reqs:
+            if str(req.rid).startswith(HEALTH_CHECK_PREFIX):
                 continue
             if req.bootstrap_room is None or getattr(req, "kv", None) is None or req.kv.req_pool_idx is None:
                 continue
@@ -277,7 +293,6 @@ def disagg_prefill_after(result, scheduler, batch, *args, **kwargs):
                 _write_prefill_trace(state, req, scheduler, counts)
     except Exception as exc:
         state.fail_once("signature publishing", exc)
-    return result
 
 
 def _colocated(state: CaptureState) -> bool:
