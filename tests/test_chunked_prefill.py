@@ -68,22 +68,37 @@ def _post(url: str, body: dict) -> None:
 
 
 def test_one_message_after_the_last_chunk_with_the_whole_prompt(chunked_prefill):
+    """Request A (5 chunks) then request B: B's first message comes after every message
+    A's chunks could have caused (one publisher, FIFO; B's prefill follows A's last
+    chunk), so by then A must have exactly one."""
     proc, spec, listener = chunked_prefill
     rng = np.random.default_rng(0)
-    for i, room in enumerate((11, 12)):
-        ids = rng.integers(100, 30000, PROMPT_TOKENS).tolist()
+
+    def send(room: int) -> str:
         rid = f"chunked-{room}"
-        body = {"input_ids": ids, "rid": rid, "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": spec.bootstrap_port, "bootstrap_room": room,
-                "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+        body = {"input_ids": rng.integers(100, 30000, PROMPT_TOKENS).tolist(), "rid": rid,
+                "bootstrap_host": "127.0.0.1", "bootstrap_port": spec.bootstrap_port,
+                "bootstrap_room": room, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
         threading.Thread(target=_post, args=(proc.url + "/generate", body), daemon=True).start()
+        return rid
+
+    def first_message(room: int) -> dict:
         t0 = time.monotonic()
-        while not any(m.get("prompt_tokens") == PROMPT_TOKENS for m in listener.for_room(room)):
-            assert time.monotonic() - t0 < 120, listener.for_room(room)
+        while not listener.for_room(room):
+            assert time.monotonic() - t0 < 120, f"no message for room {room}"
             time.sleep(0.05)
-        msgs = listener.for_room(room)
-        assert len(msgs) == 1, [m.get("prompt_tokens") for m in msgs]  # no message per chunk
-        counts = unpack_counts(msgs[0]["counts"])
-        assert counts.shape == (4, 16)
-        assert (counts.sum(axis=1) == TOP_K * PROMPT_TOKENS).all(), counts.sum(axis=1)
+        return listener.for_room(room)[0]
+
+    base = 100 if chunked_prefill[1].extra_args[-1] == "--disable-overlap-schedule" else 0
+    a, b = base + 11, base + 12
+    rids = [send(a)]
+    first_message(a)
+    rids.append(send(b))
+    first_message(b)
+    msgs = listener.for_room(a)
+    assert len(msgs) == 1, len(msgs)  # not one per chunk
+    counts = unpack_counts(msgs[0]["counts"])
+    assert counts.shape == (4, 16) and msgs[0]["prompt_tokens"] == PROMPT_TOKENS
+    assert (counts.sum(axis=1) == TOP_K * PROMPT_TOKENS).all(), counts.sum(axis=1)
+    for rid in rids:
         _post(proc.url + "/abort_request", {"rid": rid})
