@@ -24,7 +24,7 @@ from eldr_sglang.core.counts_codec import pack_counts
 from eldr_sglang.core.policies import RouteRequest
 from eldr_sglang.core.traces import ModelSpec
 from eldr_sglang.router.app import Router
-from eldr_sglang.router.signatures import parse_message
+from eldr_sglang.router.signatures import activation, parse_message
 
 
 def timed(fn, iters: int, repeats: int = 5) -> dict:
@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--iters", type=int, default=20000)
+    ap.add_argument("--policy", default="eldr", help="eldr or state_aware (each server running 32 requests)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
     art = CalibrationArtifact(model=ModelSpec("bench", args.layers, args.experts, 8), variant="idf",
                               layers=layers, idf=idf, centroids=cents, tau=0.1)
     router = Router([("http://127.0.0.1:1", 8998)],
-                    [f"http://127.0.0.1:{2 + i}" for i in range(args.servers)], "eldr",
+                    [f"http://127.0.0.1:{2 + i}" for i in range(args.servers)], args.policy,
                     artifact=art, health_interval=0, load_interval=0)
     for i, d in enumerate(router.pool.decodes):
         d.inflight = int(rng.integers(0, 8))
@@ -69,18 +70,23 @@ def main(argv=None) -> int:
     msg = parse_message(orjson.loads(wire))
     enc = router.routing.encoder
     sig = enc.encode(msg)
-    req = RouteRequest(sig)
+    act = activation(msg) if router.policy.uses_activation else None
+    req = RouteRequest(sig, activation=act)
     decide = router.dispatcher.decide
+    for i in range(args.servers):  # live batches for a policy that prices them
+        for _ in range(32):
+            router.policy.admit(i, RouteRequest(activation=activation(
+                {"counts": rng.poisson(0.3, (args.layers, args.experts)), "prompt_tokens": 100})))
 
     def step() -> None:
         m = parse_message(orjson.loads(wire))
-        d, dec, loads = decide(RouteRequest(enc.encode(m)))
+        d, dec, loads = decide(RouteRequest(enc.encode(m), activation=activation(m) if act is not None else None))
         router.record(["r"], [1], None, [], d, dec, loads)
 
-    out = {"servers": args.servers, "dim": int(cents.shape[1]), "message_bytes": len(wire),
+    out = {"policy": args.policy, "servers": args.servers, "dim": int(cents.shape[1]), "message_bytes": len(wire),
            "parse": timed(lambda: parse_message(orjson.loads(wire)), args.iters),
            "encode": timed(lambda: enc.encode(msg), args.iters),
-           "matvec": timed(lambda: np.dot(router.policy._C, sig), args.iters),
+           "matvec": timed(lambda: np.dot(enc.centroids, sig), args.iters),
            "policy_explain": timed(lambda: router.policy.explain(req, [1] * args.servers), args.iters),
            "decide": timed(lambda: decide(req), args.iters),
            "decision_step": timed(step, args.iters)}

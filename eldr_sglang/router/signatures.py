@@ -262,9 +262,9 @@ def combine(vectors: list[np.ndarray]) -> Optional[np.ndarray]:
 def activation(msg: dict) -> np.ndarray:
     """[n_sel * E] probability of each expert in one decode step of the request: its
     prefill counts / prompt tokens (a token routes to top-k distinct experts)."""
-    counts = np.asarray(msg["counts"], dtype=np.float64)
-    tokens = max(float(msg.get("prompt_tokens") or 0), float(counts.max(initial=0.0)), 1.0)
-    return (counts / tokens).reshape(-1)
+    counts = np.asarray(msg["counts"])
+    tokens = max(float(msg.get("prompt_tokens") or 0), float(counts.max(initial=0)), 1.0)
+    return np.multiply(counts.reshape(-1), np.float32(1.0 / tokens), dtype=np.float32, casting="unsafe")
 
 
 def union(activations: list[np.ndarray]) -> Optional[np.ndarray]:

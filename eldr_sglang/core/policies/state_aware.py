@@ -63,29 +63,39 @@ class StateAwarePolicy(Policy):
         self.cost = cost
         self.dim = dim
         self.servers = [_Server() for _ in range(num_servers)]
-        self.free: Optional[np.ndarray] = None  # [N, D] prod (1 - p) over live requests
+        self.free: Optional[np.ndarray] = None  # [N, D] float32 prod (1 - p) over live requests
+        self.free_sum: Optional[np.ndarray] = None  # [N] float64 row sums of free (kept in step)
         self.centroids = None
         if centroids is not None:
             c = np.asarray(centroids, dtype=np.float32)
             self.centroids = c / np.maximum(np.linalg.norm(c, axis=1, keepdims=True), 1e-12)
         if dim is not None:
-            self.free = np.ones((num_servers, dim))
+            self._ensure(dim)
 
     # ------------------------------------------------------------ state
     def _ensure(self, dim: int) -> None:
         if self.free is None:
-            self.dim, self.free = dim, np.ones((len(self.servers), dim))
+            self.dim = dim
+            self.free = np.ones((len(self.servers), dim), dtype=np.float32)
+            self.free_sum = np.full(len(self.servers), float(dim))
         elif dim != self.dim:
             raise ValueError(f"activation has {dim} dims, the policy tracks {self.dim}")
 
+    @staticmethod
+    def _vector(p: Any) -> np.ndarray:
+        v = np.asarray(p).reshape(-1)
+        return v if v.dtype == np.float32 else v.astype(np.float32)
+
     def admit(self, index: int, request) -> Any:
-        p = request.activation
-        if p is None:
+        if request.activation is None:
             return None
-        q = 1.0 - np.minimum(np.asarray(p, dtype=np.float64).reshape(-1), P_MAX)
-        self._ensure(q.size)
+        p = self._vector(request.activation)
+        self._ensure(p.size)
+        q = 1.0 - np.minimum(p, np.float32(P_MAX))
         s = self.servers[index]
-        self.free[index] *= q
+        row = self.free[index]
+        self.free_sum[index] -= float(np.dot(row, p))  # the experts this request adds
+        row *= q
         s.live += 1
         return (s, q)
 
@@ -103,53 +113,62 @@ class StateAwarePolicy(Policy):
             self.free[i] = 1.0  # drop accumulated rounding
         else:
             self.free[i] /= q
+        self.free_sum[i] = float(self.free[i].sum(dtype=np.float64))
 
     def add_server(self) -> None:
         self.servers.append(_Server())
         if self.free is not None:
-            self.free = np.vstack([self.free, np.ones((1, self.dim))])
+            self.free = np.vstack([self.free, np.ones((1, self.dim), dtype=np.float32)])
+            self.free_sum = np.append(self.free_sum, float(self.dim))
 
     def remove_server(self, index: int) -> None:
         self.servers.pop(index)
         if self.free is not None:
             self.free = np.delete(self.free, index, axis=0)
+            self.free_sum = np.delete(self.free_sum, index)
 
     # ------------------------------------------------------------ decision
+    def _costs(self, request, loads) -> list[float]:
+        """Per-server score as Python floats (a loop over N beats ~15 small numpy calls)."""
+        c = self.cost
+        n = len(loads)
+        if request.activation is None or self.free is None:
+            du = u = [0.0] * n
+        else:
+            p = self._vector(request.activation)
+            self._ensure(p.size)
+            du = (self.free @ p).tolist()  # one [N, D] float32 matvec
+            u = (self.dim - self.free_sum).tolist()
+        base, ps, pe, mb = c.base_s, c.per_seq_s, c.per_expert_s, c.max_batch
+        out = []
+        for b, ui, dui in zip(loads, u, du):
+            t0 = base + ps * b + pe * ui
+            t1 = t0 + ps + pe * dui
+            score = (b + 1) * t1 - b * t0
+            if b >= mb:  # a full batch: the request waits about (b - max_batch + 1) steps
+                score += (b - mb + 1) * t1
+            out.append(score)
+        return out
+
     def scores(self, request, loads) -> np.ndarray:
         """[N] predicted increase of total token time (s) if the request joins each server."""
-        c = self.cost
-        b = np.asarray(loads, dtype=np.float64)
-        if request.activation is None or self.free is None:
-            du = np.zeros_like(b)
-            u = np.zeros_like(b)
-        else:
-            p = np.minimum(np.asarray(request.activation, dtype=np.float64).reshape(-1), P_MAX)
-            self._ensure(p.size)
-            du = self.free @ p
-            u = self.dim - self.free.sum(axis=1)
-        t0 = c.base_s + c.per_seq_s * b + c.per_expert_s * u
-        t1 = t0 + c.per_seq_s + c.per_expert_s * du
-        score = (b + 1.0) * t1 - b * t0
-        full = b >= c.max_batch
-        if full.any():
-            score = score + np.where(full, (b - c.max_batch + 1.0) * t1, 0.0)
-        return score
+        return np.asarray(self._costs(request, loads))
 
     def explain(self, request, loads, allowed=None) -> Decision:
         n = len(loads)
         if n != len(self.servers):
             raise ValueError(f"{n} loads for {len(self.servers)} servers")
-        cand = _candidates(n, allowed)
-        score = self.scores(request, loads)
+        cand = _candidates(n, allowed).tolist()
+        costs = self._costs(request, loads)
         sims = None
-        key = score[cand]
         if self.centroids is not None and request.signature is not None:
             sims = self.centroids @ np.asarray(request.signature, dtype=np.float32).reshape(-1)
             if sims.shape[0] == n:  # one centroid per server: ties to the more similar
-                key = key - 1e-9 * sims[cand]
-        idx = int(cand[int(np.argmin(key))])
+                sl = sims.tolist()
+                costs = [x - 1e-9 * v for x, v in zip(costs, sl)]
+        idx = min(cand, key=costs.__getitem__)
         return Decision(idx, self.name, "cost" if request.activation is not None else "no_activation",
-                        server_similarities=-score, centroid_similarities=sims)
+                        server_similarities=-np.asarray(costs), centroid_similarities=sims)
 
     def choose(self, request, loads, allowed=None) -> int:
         return self.explain(request, loads, allowed).index
@@ -159,7 +178,7 @@ class StateAwarePolicy(Policy):
                 {k: getattr(self.cost, k) for k in self.cost.__dataclass_fields__},
                 "live": [s.live for s in self.servers],
                 "expected_unique": (None if self.free is None
-                                    else (self.dim - self.free.sum(axis=1)).round(2).tolist())}
+                                    else (self.dim - self.free_sum).round(2).tolist())}
 
 
 register_policy(PolicySpec(
