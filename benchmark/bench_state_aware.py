@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true",
                     help="tiny grid (K=8, 20 and 80 req/s, 2 seeds, 3 s + 8 s windows); outputs under .cache/")
     ap.add_argument("--resume", action="store_true", help="keep the runs already in the JSON, run the rest")
+    ap.add_argument("--redo", default="",
+                    help="with --resume: run these policies' points again (comma-separated), e.g. after a policy "
+                         "change; their old rows move to 'superseded_runs' in the JSON")
     ap.add_argument("--render-only", action="store_true", help="rewrite the markdown from the JSON; no simulation")
     ap.add_argument("--estimate-only", action="store_true", help="print the time estimate and stop")
     ap.add_argument("--workloads", default="task,language", help="comma-separated subset of task,language")
@@ -104,6 +107,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         ap.error(f"--cost {a.cost!r} unknown")
     if not a.seed_list or not a.pool_list or not a.rate_list or a.measure <= 0 or a.warmup < 0:
         ap.error("empty grid or bad windows")
+    a.redo_list = [x.strip() for x in a.redo.split(",") if x.strip()]
+    if any(x not in POLICIES for x in a.redo_list):
+        ap.error(f"--redo: choose from {', '.join(POLICIES)}")
+    if a.redo_list and not a.resume:
+        ap.error("--redo needs --resume")
     if a.out_dir is None:
         a.out_dir = a.work_dir / "quick" if a.quick else HERE / "results"
     a.json_path = a.out_dir / "state_aware_sweep.json"
@@ -117,6 +125,19 @@ def settings_of(a: argparse.Namespace) -> dict:
             "mean_prompt_tokens": a.mean_prompt_tokens, "mean_output_tokens": a.mean_output_tokens,
             "tau": TAU, "calib_pairs": sweeps.FULL.calib_pairs, "calib_n_init": sweeps.FULL.calib_n_init,
             "traces_root": str(a.traces_root)}
+
+
+def git_state() -> dict:
+    """HEAD and whether the code the runs use (eldr_sglang/, benchmark/sweeps.py) differs from it."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    return {"head": git("rev-parse", "HEAD"),
+            "code_modified": git("status", "--porcelain", "--", "eldr_sglang", "benchmark/sweeps.py").splitlines()}
 
 
 def key_of(r: dict) -> tuple:
@@ -323,6 +344,21 @@ def render(doc: dict) -> str:
          if doc.get("cpu_s") else "")
       + (f" (estimated beforehand: {doc['estimate']['estimate_s'] / 60:.1f} min)" if doc.get("estimate") else "")
       + ".\n")
+    sup = doc.get("superseded_runs") or []
+    if sup:
+        cur = {key_of(r): r for r in runs}
+        pairs = [(r, cur[key_of(r)]) for r in sup if key_of(r) in cur]
+        pol_names = sorted({r["policy"] for r in sup})
+        line = (f"{len(sup)} earlier runs of {', '.join(pol_names)} were run again (`--redo`) and are kept in the "
+                "JSON as `superseded_runs`")
+        if pairs:
+            for m, label in (("tpot_median_ms", "median TPOT"), ("tpot_p99_ms", "P99 TPOT")):
+                d = np.array([100.0 * (new[m] - old[m]) / old[m] for old, new in pairs])
+                line += (f"; {label} new vs old: mean {d.mean():+.2f}%, largest |change| {np.abs(d).max():.2f}% "
+                         f"over {len(pairs)} points")
+        w(line + ".\n")
+    for note in doc.get("notes", []):
+        w(f"Note: {note}\n")
     w("## Setup\n")
     for name, src in doc.get("sources", {}).items():
         w(f"- workload **{name}**: {src}")
@@ -542,7 +578,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             doc["cpu_s"] = old["cpu_s"]
         doc["wall_s_previous"] = old.get("wall_s", 0.0) + old.get("wall_s_previous", 0.0)
         doc["commands_previous"] = old.get("commands_previous", []) + [old.get("command")]
+        doc["git_previous"] = old.get("git_previous", []) + ([old["git"]] if old.get("git") else [])
+        doc["superseded_runs"] = old.get("superseded_runs", [])
+        if a.redo_list:
+            reason = f"superseded by a --redo run ({command})"
+            doc["superseded_runs"] += [dict(r, superseded=reason) for r in doc["runs"] if r["policy"] in a.redo_list]
+            doc["runs"] = [r for r in doc["runs"] if r["policy"] not in a.redo_list]
+            print(f"--redo: {len(doc['superseded_runs'])} runs of {', '.join(a.redo_list)} moved to superseded_runs")
         print(f"resume: {len(doc['runs'])} runs already in {a.json_path}")
+    doc["git"] = git_state()
     done = {key_of(r) for r in doc["runs"]}
 
     from tqdm import tqdm

@@ -81,6 +81,20 @@ def real_cpu_section(results_dir: Path) -> list[str]:
             "| distinct experts per decode step | decode steps |", "|---|---|---|---|---|---|---|", *rows, ""]
 
 
+def state_aware_section(results_dir: Path) -> list[str]:
+    """The state-aware policy's verdict, from ``benchmark/bench_state_aware.py``'s report."""
+    path = results_dir / "state_aware.md"
+    if not path.is_file():
+        return []
+    text = path.read_text()
+    verdict = text.split("## Verdict", 1)[1].split("\n## ", 1)[0].strip() if "## Verdict" in text else ""
+    return ["", "## State-aware policy vs ELDR (SIMULATED)", "",
+            "`python benchmark/bench_state_aware.py` (2 workloads x 8/16/24 decode servers x 20-100 req/s "
+            "x 5 seeds x 6 policies; every table, the goodput and the decision rule: "
+            "[results/state_aware.md](results/state_aware.md)).", "", verdict]
+
+
 def render(traces_root: Path, workloads: list[str], results_dir: Path) -> str:
-    lines = trace_section(traces_root, workloads) + specialisation_section() + real_cpu_section(results_dir)
+    lines = (trace_section(traces_root, workloads) + specialisation_section() + real_cpu_section(results_dir)
+             + state_aware_section(results_dir))
     return ("\n".join(lines) + "\n") if lines else ""
