@@ -340,7 +340,7 @@ def render(doc: dict) -> str:
     w(("Commands, in order (later ones with `--resume` keep the earlier runs):\n\n" if len(cmds) > 1 else "")
       + "```bash\n" + "\n".join(cmds) + "\n```\n")
     w(f"Runs: {len(runs)} of {n_expected}" + ("" if len(runs) >= n_expected else " (**INCOMPLETE sweep**)")
-      + (f"; simulation wall time {(doc['wall_s'] + doc.get('wall_s_previous', 0.0)) / 60:.1f} min in one process"
+      + (f"; simulation wall time {(doc['wall_s'] + doc.get('wall_s_previous', 0.0)) / 60:.1f} min over the commands above (one process each)"
          if doc.get("wall_s") else "")
       + (f", CPU time {doc['cpu_s'] / 60:.1f} min (wall above CPU = waiting for the shared cores)"
          if doc.get("cpu_s") else "")
@@ -582,6 +582,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc["commands_previous"] = old.get("commands_previous", []) + [old.get("command")]
         doc["git_previous"] = old.get("git_previous", []) + ([old["git"]] if old.get("git") else [])
         doc["superseded_runs"] = old.get("superseded_runs", [])
+        doc["notes"] = old.get("notes", [])
         if a.redo_list:
             reason = f"superseded by a --redo run ({command})"
             doc["superseded_runs"] += [dict(r, superseded=reason) for r in doc["runs"] if r["policy"] in a.redo_list]

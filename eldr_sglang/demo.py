@@ -356,7 +356,6 @@ def main(argv=None) -> int:
         f.unlink()
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
-    router_port, signature_port = lc.free_port(), lc.free_port()
 
     def progress(name: str, elapsed: float) -> None:
         if int(elapsed) % 10 == 0:
@@ -371,17 +370,17 @@ def main(argv=None) -> int:
     try:
         cluster = lc.start_pd_cluster(
             str(args.model), logs, n_prefill=1, n_decode=args.decodes, eldr_metrics=True, progress=progress,
-            prefill_args=["--eldr-calibration", str(artifact),
-                          "--eldr-publish", f"tcp://127.0.0.1:{signature_port}"],
+            # each router names its own signature port in every request it sends
+            prefill_args=["--eldr-calibration", str(artifact), "--eldr-publish", "request"],
             decode_args=["--eldr-trace-dir", str(decode_trace)])
         decode_urls = [p.url for p, _ in cluster.decodes]
         reports = []
         for policy in args.policies:
             lc.flush_cache(cluster.prefills[0][0].url)  # both policies start from a cold prefix cache
-            router = lc.start_eldr_router(cluster, logs, policy=policy, port=router_port,
-                                          artifact=artifact if policy_spec(policy).needs_artifact else None,
-                                          extra_args=["--signature-port", str(signature_port)])
-            router.wait_ready(timeout=60)
+            router = lc.start_eldr_router_ready(
+                cluster, logs, policy=policy,
+                artifact=artifact if policy_spec(policy).needs_artifact else None,
+                extra_args=["--signature-port", "0"])
             n_labels = len({label for _, label, _ in rows})
             print(f"Replaying {len(rows)} requests ({n_labels} labels, concurrency {args.concurrency}) "
                   f"through the ELDR router, --policy {policy} ...", flush=True)

@@ -316,3 +316,21 @@ def start_eldr_router(
         argv += ["--decode", proc.url]
     return ManagedProcess(f"eldr-router-{policy}", argv + list(extra_args),
                           log_dir / f"eldr-router-{policy}.log", f"http://127.0.0.1:{port}").start()
+
+
+def start_eldr_router_ready(cluster: PDCluster, log_dir: Path, policy: str = "eldr",
+                            artifact: str | Path | None = None, extra_args: Sequence[str] = (),
+                            timeout: float = 60.0, attempts: int = 3) -> ManagedProcess:
+    """:func:`start_eldr_router` on a port picked just now, waited until ready; on a port
+    clash (another process took the port first) again with a fresh one."""
+    for attempt in range(1, attempts + 1):
+        router = start_eldr_router(cluster, log_dir, policy, artifact, free_port(), extra_args)
+        try:
+            router.wait_ready(timeout=timeout)
+            return router
+        except BaseException as e:
+            retry = isinstance(e, RuntimeError) and attempt < attempts and port_clash(router)
+            router.stop()
+            if not retry:
+                raise
+    raise ValueError(f"attempts must be >= 1, got {attempts}")

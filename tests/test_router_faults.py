@@ -24,8 +24,9 @@ from eldr_sglang.router import upstream  # noqa: E402
 from eldr_sglang.router.app import Router, start_router  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
-FAST = dict(health_interval=0.1, health_timeout=0.3, health_cooldown=0.3, connect_timeout=1.0,
-            first_byte_timeout=1.5, idle_timeout=1.0, signature_timeout=0.5, load_interval=0)
+# short bounds so faults end quickly, loose enough for a loaded 2-core machine
+FAST = dict(health_interval=0.1, health_timeout=1.0, health_cooldown=0.3, connect_timeout=5.0,
+            first_byte_timeout=3.0, idle_timeout=2.0, signature_timeout=0.5, load_interval=0)
 
 
 @contextlib.asynccontextmanager
@@ -153,7 +154,7 @@ def test_prefill_disconnects_and_frozen_prefill_end_in_clear_errors():
             prefill.freeze()
             out = await drive(router, url, http, n=6)
             assert all(v[0] == "error" and v[1] in (502, 503, 504) for v in out.values()), out
-            assert max(v[2] for v in out.values()) < 15  # first-byte timeout 1.5 s, not 1800 s
+            assert max(v[2] for v in out.values()) < 20  # first-byte timeout 3 s, not 1800 s
     run(main())
 
 
@@ -332,7 +333,8 @@ def test_decision_log_is_bounded_and_admin_only():
             auth = {"Authorization": "Bearer s3cret"}
             async with http.get(url + "/eldr/decisions?last=100000", headers=auth) as r:
                 got = await r.json()
-            assert r.status == 200 and len(got) == 5 and "counts" not in got[0]["messages"][0]
+            assert r.status == 200 and len(got) == 5
+            assert len(got[-1]["messages"][0]["counts"]) == 2  # the counts, rendered as rows
             async with http.get(url + "/eldr/decisions?last=-1", headers=auth) as r:
                 assert r.status == 400
     run(main())

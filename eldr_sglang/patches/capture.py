@@ -277,9 +277,10 @@ def publish_finished(state: CaptureState, scheduler, reqs) -> None:
     """Publish (and trace) the whole prompt's counts of requests whose prefill is done."""
     try:
         for req in reqs:
-            if str(req.rid).startswith(HEALTH_CHECK_PREFIX):
+            if getattr(req, "kv", None) is None or req.kv.req_pool_idx is None:
                 continue
-            if req.bootstrap_room is None or getattr(req, "kv", None) is None or req.kv.req_pool_idx is None:
+            if str(req.rid).startswith(HEALTH_CHECK_PREFIX) or req.bootstrap_room is None:
+                _clear_gate_sums(state, req.kv.req_pool_idx)  # the next request in this row starts at 0
                 continue
             dest = return_address(req)
             publish = state.publisher is not None and (dest is not None or state.publisher.url is not None)
@@ -293,6 +294,12 @@ def publish_finished(state: CaptureState, scheduler, reqs) -> None:
                 _write_prefill_trace(state, req, scheduler, counts)
     except Exception as exc:
         state.fail_once("signature publishing", exc)
+
+
+def _clear_gate_sums(state: CaptureState, row: int) -> None:
+    if state.gate_prob is not None:
+        state.gate_prob[row] = 0
+        state.gate_logit[row] = 0
 
 
 def _colocated(state: CaptureState) -> bool:
@@ -309,8 +316,7 @@ def _write_prefill_trace(state: CaptureState, req, scheduler, counts: torch.Tens
     state.trace_writer.write("prefill", {
         **signature_message(req, counts, state.table.layers), "gate_prob_sums": state.gate_prob[row].cpu().tolist(),
         "gate_logit_sums": state.gate_logit[row].cpu().tolist()})
-    state.gate_prob[row] = 0
-    state.gate_logit[row] = 0
+    _clear_gate_sums(state, row)
 
 
 def release_before(req, *args, **kwargs):
@@ -326,7 +332,10 @@ def release_before(req, *args, **kwargs):
             msg = _meta_signature(state, req)
             if msg is not None:
                 state.pending[req.rid] = msg
-        if state.decode_acc is not None and not str(req.rid).startswith(HEALTH_CHECK_PREFIX):
+        if state.decode_acc is not None and str(req.rid).startswith(HEALTH_CHECK_PREFIX):
+            state.decode_acc[req.kv.req_pool_idx].zero_()  # the row's next request starts at 0
+            _clear_gate_sums(state, req.kv.req_pool_idx)
+        elif state.decode_acc is not None:
             if _colocated(state) and state.table is not None:
                 _write_prefill_trace(state, req, state.scheduler)
             counts = state.decode_acc[req.kv.req_pool_idx]
@@ -345,8 +354,8 @@ META_KEY = "eldr_signature"
 
 
 def wants_signature(req) -> bool:
-    params = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
-    return bool(params.get(META_KEY))
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    return isinstance(params, dict) and bool(params.get(META_KEY))
 
 
 def _meta_signature(state: CaptureState, req) -> dict | None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 import aiohttp
+import numpy as np
 import orjson
 from aiohttp import web
 
@@ -42,6 +43,14 @@ from eldr_sglang.router.workers import Worker, WorkerPool
 
 logger = logging.getLogger("eldr_sglang.router")
 WORK_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+
+
+DECISION_COUNTS_MAX = 64 << 10  # bytes of counts a decision log entry keeps per message
+
+
+def _counts_bytes(msg: dict) -> int:
+    counts = msg.get("counts")
+    return counts.nbytes if isinstance(counts, np.ndarray) else 0
 
 
 @dataclass(frozen=True)
@@ -236,9 +245,12 @@ class Router:
 
     def record(self, rids: list[str], rooms: list[int], label: Optional[str],
                waiters: list[asyncio.Future], d: Worker, dec: Decision, loads: list[int]) -> None:
-        """Keep the decision for ``GET /eldr/decisions``: O(K + N) numbers per entry
-        (similarities, loads), message metadata without the counts; rendered when read."""
-        messages = [{k: m.get(k) for k in ("rid", "prompt_tokens", "cached_tokens", "layers")}
+        """Keep the decision for ``GET /eldr/decisions`` (rendered when read): O(K + N)
+        numbers (similarities, loads) and the signature messages, whose counts are kept
+        (a reference, no copy) up to ``DECISION_COUNTS_MAX`` bytes each, so the log holds at
+        most ``decisions_kept`` x 64 KiB of counts."""
+        messages = [m if _counts_bytes(m) <= DECISION_COUNTS_MAX else
+                    {k: v for k, v in m.items() if k != "counts"}
                     for m in (w.result() for w in waiters
                               if w.done() and not w.cancelled() and w.exception() is None)]
         self.decisions.append((time.time(), rids, rooms, label, self.routing.name, d.url,
@@ -248,6 +260,8 @@ class Router:
     def render_decision(rec: tuple) -> dict:
         when, rids, rooms, label, policy, url, decodes, load_list, messages, dec = rec
         loads = [(x.url, n) for x, n in zip(decodes, load_list)]
+        messages = [{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in m.items()}
+                    for m in messages]
         out = {"time": when, "rids": rids, "rooms": rooms, "label": label, "policy": policy,
                "decode": url, "loads": dict(loads), "messages": messages, "reason": dec.reason}
         if dec.band is not None:
