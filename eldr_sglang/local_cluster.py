@@ -32,6 +32,9 @@ from eldr_sglang.patches.cpu_compat import cuda_available
 CPU_MAX_TOTAL_TOKENS = 16384
 
 
+CPU_SIGNATURE_TIMEOUT = 60.0  # seconds: CPU prefills queue for seconds under the demo's load
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -304,10 +307,15 @@ def start_eldr_router(
     cluster: PDCluster, log_dir: Path, policy: str = "eldr", artifact: str | Path | None = None,
     port: int = 0, extra_args: Sequence[str] = (),
 ) -> ManagedProcess:
-    """The ELDR router (``python -m eldr_sglang.router``) in front of ``cluster``."""
+    """The ELDR router (``python -m eldr_sglang.router``) in front of ``cluster``.
+
+    A CPU prefill under load takes seconds before its signature exists, so the
+    signature wait's ceiling is raised to ``CPU_SIGNATURE_TIMEOUT`` (``extra_args``
+    may override it)."""
     port = port or free_port()
     argv = [sys.executable, "-m", "eldr_sglang.router", "--host", "127.0.0.1",
-            "--port", str(port), "--policy", policy]
+            "--port", str(port), "--policy", policy, "--signature-timeout", str(CPU_SIGNATURE_TIMEOUT),
+            "--health-timeout", "10"]  # a busy CPU server answers /health late
     if artifact is not None:
         argv += ["--calibration", str(artifact)]
     for proc, spec in cluster.prefills:
