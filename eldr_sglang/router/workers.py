@@ -115,19 +115,27 @@ class WorkerPool:
         return list(chain(self.prefills, self.decodes))
 
     # ------------------------------------------------------------ membership
-    def add_decode(self, url: str) -> Worker:
-        url = validate_worker_url(url)
-        if url in (d.url for d in self.decodes):
-            raise ValueError(f"decode server {url} already present")
-        w = self._new(url, "decode")
-        self.decodes.append(w)
+    def _add(self, workers: list[Worker], role: str, url: str,
+             bootstrap_port: Optional[int] = None) -> Worker:
+        w = self._new(url, role, bootstrap_port)
+        if w.url in (x.url for x in workers):
+            raise ValueError(f"{role} server {w.url} already present")
+        workers.append(w)
         return w
 
-    def decode_index(self, url: str) -> int:
-        urls = [d.url for d in self.decodes]
+    @staticmethod
+    def _index(workers: list[Worker], role: str, url: str) -> int:
+        """Position of ``url``; ValueError when unknown or the last of its role."""
+        urls = [x.url for x in workers]
         if url.rstrip("/") not in urls:
-            raise ValueError(f"unknown decode server {url}")
+            raise ValueError(f"unknown {role} server {url}")
         return urls.index(url.rstrip("/"))
+
+    def add_decode(self, url: str) -> Worker:
+        return self._add(self.decodes, "decode", url)
+
+    def decode_index(self, url: str) -> int:
+        return self._index(self.decodes, "decode", url)
 
     def remove_decode(self, index: int) -> Worker:
         if len(self.decodes) == 1:
@@ -135,20 +143,13 @@ class WorkerPool:
         return self.decodes.pop(index)  # requests in flight keep their Worker object
 
     def add_prefill(self, url: str, bootstrap_port: Optional[int]) -> Worker:
-        url = validate_worker_url(url)
-        if url in (p.url for p in self.prefills):
-            raise ValueError(f"prefill server {url} already present")
-        w = self._new(url, "prefill", bootstrap_port)
-        self.prefills.append(w)
-        return w
+        return self._add(self.prefills, "prefill", url, bootstrap_port)
 
     def remove_prefill(self, url: str) -> Worker:
-        urls = [p.url for p in self.prefills]
-        if url.rstrip("/") not in urls:
-            raise ValueError(f"unknown prefill server {url}")
-        if len(urls) == 1:
+        i = self._index(self.prefills, "prefill", url)
+        if len(self.prefills) == 1:
             raise ValueError("cannot remove the last prefill server")
-        return self.prefills.pop(urls.index(url.rstrip("/")))
+        return self.prefills.pop(i)
 
     # ------------------------------------------------------------ selection
     def pick_prefill(self, exclude: frozenset[int] | set[int] = frozenset()) -> Optional[Worker]:

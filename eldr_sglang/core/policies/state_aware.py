@@ -20,7 +20,7 @@ number of servers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -174,8 +174,7 @@ class StateAwarePolicy(Policy):
         return self.explain(request, loads, allowed).index
 
     def describe(self) -> dict:
-        return {"policy": self.name, "cost": vars(self.cost) if hasattr(self.cost, "__dict__") else
-                {k: getattr(self.cost, k) for k in self.cost.__dataclass_fields__},
+        return {"policy": self.name, "cost": asdict(self.cost),
                 "live": [s.live for s in self.servers],
                 "expected_unique": (None if self.free is None
                                     else (self.dim - self.free_sum).round(2).tolist())}
