@@ -140,6 +140,28 @@ class RouterMetrics:
                            ["state"], registry=r)
         self.reloads = Counter("eldr_router_calibration_reloads", "Calibration reloads",
                                ["outcome"], registry=r)
+        # online calibration (``--online``): the live artifact's lifecycle
+        self.calibration_age = Gauge("eldr_router_calibration_age_seconds",
+                                     "Seconds since the live calibration was fitted "
+                                     "(offline or online); absent before the first fit",
+                                     registry=r)
+        self.calibration_refits = Counter("eldr_router_calibration_refits",
+                                          "Online refits swapped in, by reason (initial, "
+                                          "periodic, drift, membership, manual)", ["reason"],
+                                          registry=r)
+        self.calibration_churn = Gauge("eldr_router_calibration_churn",
+                                       "Share of recent signatures whose decode server changed "
+                                       "at the last swap", registry=r)
+        self.calibration_drift = Gauge("eldr_router_calibration_drift",
+                                       "Drift statistics of recent signatures against the fit "
+                                       "(similarity_ks: KS distance of best-centroid similarity; "
+                                       "owner_shift: total-variation distance of region shares)",
+                                       ["statistic"], registry=r)
+        self.calibration_signatures = Gauge("eldr_router_calibration_signatures",
+                                            "Signatures held for the next online fit", registry=r)
+        self.calibration_online = Gauge("eldr_router_calibration_online",
+                                        "Online calibration: 0 off, 1 warming up (routing by "
+                                        "load), 2 routing by signature", registry=r)
 
     def deferred(self, histogram: Any, *labels: str) -> Deferred:
         """A :class:`Deferred` view of ``histogram`` (with ``labels``), flushed with the rest."""
