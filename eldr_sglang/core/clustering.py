@@ -232,6 +232,8 @@ class BalancedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     is solved exactly by
     ``balanced_assignment``. ``labels_`` is the balanced assignment of the
     training points; ``predict`` (new points) is the nearest centroid, unconstrained.
+    ``init``: "k-means++" or a [K, D] array of starting centroids (a warm start from
+    an earlier fit; then one run, whatever ``n_init``).
     """
 
     def __init__(
@@ -243,6 +245,7 @@ class BalancedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         random_state: int | None = None,
         assignment: str = "auto",
         seed_sample: int = 1024,
+        init: str | np.ndarray = "k-means++",
     ):
         self.n_clusters = n_clusters
         self.n_init = n_init
@@ -251,6 +254,7 @@ class BalancedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         self.random_state = random_state
         self.assignment = assignment
         self.seed_sample = seed_sample
+        self.init = init
 
     def fit(self, X: np.ndarray, y=None) -> "BalancedKMeans":
         with _single_blas_thread():
@@ -263,22 +267,32 @@ class BalancedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
             raise ValueError(f"n_clusters={k} must be in [1, {n}] (number of points)")
         self.capacity_ = math.ceil(n / k)
         rng = np.random.default_rng(self.random_state)
+        start = None
+        if not isinstance(self.init, str):
+            start = l2_normalize(np.asarray(self.init, dtype=np.float32))
+            if start.shape != (k, X.shape[1]):
+                raise ValueError(f"init has shape {start.shape}, expected ({k}, {X.shape[1]})")
+        elif self.init != "k-means++":
+            raise ValueError(f"init must be 'k-means++' or a [K, D] array, got {self.init!r}")
         best = None
-        for _ in range(max(1, self.n_init)):
-            run = self._single_run(X, int(rng.integers(2**31 - 1)))
+        for _ in range(1 if start is not None else max(1, self.n_init)):
+            run = self._single_run(X, int(rng.integers(2**31 - 1)), start)
             if best is None or run[2] < best[2]:
                 best = run
         self.cluster_centers_, self.labels_, self.inertia_, self.n_iter_ = best
         return self
 
-    def _single_run(self, X: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray, float, int]:
+    def _single_run(self, X: np.ndarray, seed: int,
+                    start: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, float, int]:
         n, k = X.shape[0], self.n_clusters
-        # seed on a float64 sample: kmeans_plusplus upcasts float32 chunk by chunk (slow)
-        rng = np.random.default_rng(seed)
-        size = max(self.seed_sample, k)
-        sample = X if n <= size else X[rng.choice(n, size, replace=False)]
-        centers, _ = kmeans_plusplus(sample.astype(np.float64), k, random_state=seed)
-        centers = l2_normalize(centers)
+        if start is not None:
+            centers = start
+        else:  # seed on a float64 sample: kmeans_plusplus upcasts float32 chunk by chunk (slow)
+            rng = np.random.default_rng(seed)
+            size = max(self.seed_sample, k)
+            sample = X if n <= size else X[rng.choice(n, size, replace=False)]
+            centers, _ = kmeans_plusplus(sample.astype(np.float64), k, random_state=seed)
+            centers = l2_normalize(centers)
         labels = np.full(n, -1)
         inertia = np.inf
         n_iter = 0
