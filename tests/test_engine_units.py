@@ -26,7 +26,6 @@ def test_split_argv_takes_only_eldr_flags():
     (["--eldr-layers", "1,1"], "distinct"),
     (["--eldr-layers", "1", "--eldr-publish", "router:8000"], "--eldr-publish"),
     (["--eldr-layers", "1", "--eldr-publish", "tcp://router"], "--eldr-publish"),
-    (["--eldr-publish", "http://r:1/eldr/signature"], "needs --eldr-calibration"),
     (["--eldr-calibration", "/no/such/file.json"], "no such file"),
     (["--eldr-metrics-port", "http"], "--eldr-metrics-port"),
     (["--eldr-layers"], "--eldr-layers: expected one argument"),
@@ -151,3 +150,26 @@ def test_launch_server_help_lists_the_eldr_flags():
                  "--eldr-trace-dir", "--eldr-publish-timeout"):
         assert flag in proc.stdout, flag
     assert "--model-path" in proc.stdout  # SGLang's own help follows
+
+
+def test_publish_without_an_artifact_sends_spread_layers_and_the_model():
+    """An engine in front of an --online router needs no artifact: it publishes evenly
+    spread layers and names its model in each message."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from eldr_sglang.core.layer_selection import spread_layers
+    from eldr_sglang.patches.capture import _selected_layers, signature_message
+    from eldr_sglang.patches.flags import SPREAD
+
+    config = parse_eldr_flags(["--eldr-publish", "request"])
+    assert config.layers == SPREAD
+    assert _selected_layers(config, 48) == spread_layers(48) == [9, 19, 28, 38]
+    assert spread_layers(4) == [0, 1, 2, 3] and spread_layers(6) == [1, 2, 3, 4]
+    req = SimpleNamespace(bootstrap_room=7, rid="r", origin_input_ids=[1, 2, 3], cached_tokens=0)
+    model = {"name": "m", "num_layers": 48, "num_experts": 128, "top_k": 8}
+    msg = signature_message(req, torch.zeros((4, 128), dtype=torch.int32), [9, 19, 28, 38],
+                            packed=True, model=model)
+    assert msg["model"] == model and msg["layers"] == [9, 19, 28, 38]
+    assert "model" not in signature_message(req, torch.zeros((4, 128)), [9, 19, 28, 38])

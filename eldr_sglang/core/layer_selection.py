@@ -181,3 +181,11 @@ def select_layers(
     target = pair_weighted_jaccard(decode_counts, i, j, profile=decode_profile)
     dots, sq_i, sq_j = per_layer_pair_stats(values, i, j, variant, idf)
     return greedy_layer_selection(dots, sq_i, sq_j, target, max_layers, min_gain, on_step)
+
+
+def spread_layers(num_layers: int, count: int = 4) -> list[int]:
+    """``count`` evenly spread layers, first and last excluded (all layers when there are
+    at most ``count``): what an engine publishes before any calibration chose layers."""
+    if num_layers <= count:
+        return list(range(num_layers))
+    return sorted({int(round(x)) for x in np.linspace(0, num_layers - 1, count + 2)[1:-1]})

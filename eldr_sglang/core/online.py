@@ -448,9 +448,9 @@ def model_from_message(msg: dict, counts: np.ndarray) -> ModelSpec:
         except (ValueError, TypeError):
             pass
     tokens = max(float(msg.get("prompt_tokens") or 0), 1.0)
-    top_k = max(1, int(round(float(np.asarray(counts)[0].sum()) / tokens)))
-    return ModelSpec(str(msg.get("model_name") or "unknown"), max(msg["layers"]) + 1,
-                     int(np.shape(counts)[-1]), top_k)
+    experts = int(np.shape(counts)[-1])
+    top_k = min(experts, max(1, int(round(float(np.asarray(counts)[0].sum()) / tokens))))
+    return ModelSpec(str(msg.get("model_name") or "unknown"), max(msg["layers"]) + 1, experts, top_k)
 
 
 __all__ = ["OnlineSettings", "SignatureWindow", "DriftReference", "DriftMonitor", "FitJob", "FitResult",

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from eldr_sglang.core.counts_codec import pack_counts
-from eldr_sglang.patches.flags import REQUEST_ONLY, EngineConfig, FlagError, check_model_dims
+from eldr_sglang.patches.flags import REQUEST_ONLY, SPREAD, EngineConfig, FlagError, check_model_dims
 from eldr_sglang.patches.publish import RETURN_ADDRESS_KEY, SignaturePublisher
 from eldr_sglang.radix_signature import ExpertSlotTable
 
@@ -65,6 +66,7 @@ class CaptureState:
     gate_prob: torch.Tensor | None = None
     gate_logit: torch.Tensor | None = None
     publish_layers: list[int] = field(default_factory=list)
+    model: dict | None = None  # name, num_layers, num_experts, top_k (sent with signatures)
     publish_columns: torch.Tensor | None = None
     scheduler: object | None = None
     returned: set = field(default_factory=set)  # rids whose signature went into meta_info
@@ -94,6 +96,10 @@ def _selected_layers(config: EngineConfig, num_layers: int) -> list[int]:
         return list(load_artifact(config.calibration).layers)
     if config.layers == "all":
         return list(range(num_layers))
+    if config.layers == SPREAD:
+        from eldr_sglang.core.layer_selection import spread_layers
+
+        return spread_layers(num_layers)
     return list(config.layers or ())
 
 
@@ -114,6 +120,8 @@ def _init(state: CaptureState, model_runner) -> None:
         raise RuntimeError(str(exc)) from None
     device = model_runner.device
     state.publish_layers = _selected_layers(state.config, num_layers)
+    state.model = {"name": Path(str(model_runner.model_config.model_path)).name or "unknown",
+                   "num_layers": num_layers, "num_experts": num_experts, "top_k": top_k}
     # trace mode keeps every layer (then only the selected ones are published)
     layers = list(range(num_layers)) if state.config.trace_dir else state.publish_layers
     if layers:
@@ -234,10 +242,12 @@ def prompt_counts(scheduler, req, table: ExpertSlotTable) -> torch.Tensor:
     return table.counts(slots)
 
 
-def signature_message(req, counts: torch.Tensor, layers: list[int], packed: bool = False) -> dict:
+def signature_message(req, counts: torch.Tensor, layers: list[int], packed: bool = False,
+                      model: dict | None = None) -> dict:
     """The router's message; ``packed`` sends counts as a base64 array (publishing),
-    else as lists of rows (traces, ``meta_info``)."""
-    return {
+    else as lists of rows (traces, ``meta_info``). ``model`` lets a router without an
+    artifact (``--online``) name the model of the artifact it fits."""
+    msg = {
         "bootstrap_room": req.bootstrap_room,
         "rid": req.rid,
         "prompt_tokens": len(req.origin_input_ids),
@@ -245,6 +255,9 @@ def signature_message(req, counts: torch.Tensor, layers: list[int], packed: bool
         "layers": layers,
         "counts": pack_counts(counts.cpu().numpy()) if packed else counts.cpu().tolist(),
     }
+    if model is not None:
+        msg["model"] = model
+    return msg
 
 
 def return_address(req) -> str | None:
@@ -289,7 +302,8 @@ def publish_finished(state: CaptureState, scheduler, reqs) -> None:
             counts = prompt_counts(scheduler, req, state.table)
             if publish:
                 published = counts.index_select(0, state.publish_columns)
-                state.publisher.submit(signature_message(req, published, state.publish_layers, packed=True), dest)
+                state.publisher.submit(signature_message(req, published, state.publish_layers, packed=True,
+                                                             model=state.model), dest)
             if state.trace_writer is not None:
                 _write_prefill_trace(state, req, scheduler, counts)
     except Exception as exc:

@@ -25,7 +25,7 @@ class EngineConfig:
     """What the engine plugin does in this server (all off by default)."""
 
     calibration: str | None = None  # artifact: which layers to capture
-    layers: tuple[int, ...] | str | None = None  # explicit layers, or "all" (trace mode)
+    layers: tuple[int, ...] | str | None = None  # explicit layers, "all" (trace mode) or "spread"
     publish: str | None = None  # router callback URL for signature messages
     metrics_port: int | None = None  # Prometheus endpoint of the scheduler process
     trace_dir: str | None = None  # per-request expert counts (trace mode)
@@ -50,6 +50,9 @@ class EngineConfig:
         if isinstance(d.get("layers"), list):
             d["layers"] = tuple(d["layers"])
         return cls(**d)
+
+
+SPREAD = "spread"  # --eldr-publish without layers: evenly spread layers (core.layer_selection)
 
 
 class FlagError(ValueError):
@@ -99,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--eldr-calibration", dest="calibration", metavar="PATH",
                    help="calibration artifact: capture its selected layers")
     p.add_argument("--eldr-layers", dest="layers", metavar="all|0,3,7",
-                   help="capture these layers without an artifact")
+                   help="capture these layers without an artifact (with --eldr-publish and no "
+                        "artifact: 4 evenly spread layers)")
     p.add_argument("--eldr-publish", dest="publish", metavar="URL",
                    help="PD prefill: send each request's signature to the address it carries, else "
                         "here: tcp://ROUTER:PORT, http://ROUTER:PORT/eldr/signature, or 'request'")
@@ -159,7 +163,7 @@ def parse_eldr_flags(argv: list[str]) -> EngineConfig:
         kw["layers"] = _layers(ns.layers)
     if ns.publish is not None:
         if ns.calibration is None and ns.layers is None:
-            raise FlagError("--eldr-publish needs --eldr-calibration (or --eldr-layers) to know what to send")
+            kw["layers"] = SPREAD  # no artifact yet (a router with --online learns one)
         kw["publish"] = _url(ns.publish)
     if ns.metrics_port is not None:
         if not ns.metrics_port.isdigit() or not 0 < int(ns.metrics_port) < 65536:

@@ -100,9 +100,15 @@ class AdminApi:
         return json_response(self.r.status())
 
     async def h_calibration(self, request: web.Request) -> web.Response:
-        """``POST {"path": "artifact.json"}`` reloads the calibration."""
+        """``POST {"path": "artifact.json"}`` reloads the calibration; ``{"refit": true}``
+        asks an ``--online`` router for a refit now (answered at once, 202)."""
         try:
             data = await self._body(request)
+            if data.get("refit") is True:
+                if self.r.online is None:
+                    raise ValueError("'refit' needs a router started with --online")
+                self.r.online.request_refit()
+                return json_response({"refit": "requested", "online": self.r.online.describe()}, 202)
             path = data.get("path")
             if not isinstance(path, str) or not path:
                 raise ValueError("'path' (string) is required")

@@ -37,6 +37,7 @@ from eldr_sglang.router.config import WORKER_KEEPALIVE_S, RouterConfig
 from eldr_sglang.router.dispatch import Dispatcher
 from eldr_sglang.router.intake import SignatureIntake
 from eldr_sglang.router.metrics import RouterMetrics
+from eldr_sglang.router.online import CalibrationWatcher, OnlineController
 from eldr_sglang.router.responses import JSON, error_response, json_response
 from eldr_sglang.router.signatures import SignatureBoard, SignatureEncoder, WaitLimit, load_calibration
 from eldr_sglang.router.workers import Worker, WorkerPool
@@ -93,19 +94,28 @@ class Router:
         self.metrics = RouterMetrics()
         self.pool = WorkerPool(prefill, decode, c, self.metrics)
         if artifact is None and c.calibration:
-            artifact = load_calibration(c.calibration)
+            if (c.online or c.calibration_watch) and not os.path.exists(c.calibration):
+                logger.info("%s does not exist yet: routing by load until a calibration "
+                            "is %s", c.calibration, "fitted" if c.online else "written there")
+            else:
+                artifact = load_calibration(c.calibration)
         if domain_map is None and c.domain_map:
             domain_map = _load_json(c.domain_map)
         self.domain_map = domain_map or {}
-        self.routing = self._routing(policy_spec(c.policy),
+        self.spec = policy_spec(c.policy)  # the configured policy
+        self.routing = self._routing(self.spec,
                                      SignatureEncoder(artifact) if artifact is not None else None,
-                                     c.calibration)
+                                     c.calibration if artifact is not None else None)
         self.board = SignatureBoard(ttl=c.signature_ttl, max_buffered=c.signature_buffer,
                                     max_bytes=int(c.signature_buffer_mb * (1 << 20)))
+        self.online = OnlineController(self) if c.online else None
+        self.watcher = (CalibrationWatcher(self, c.calibration, c.calibration_watch)
+                        if c.calibration_watch else None)
         self.intake = SignatureIntake(self.board, self.metrics,
                                       int(min(c.signature_max_kb * 1024, c.max_body_mb * (1 << 20))),
                                       encoder=lambda: self.routing.encoder,
-                                      buffering=lambda: self.routing.policy.needs_signature)
+                                      buffering=lambda: self.routing.policy.needs_signature,
+                                      observer=self.online.observe if self.online else None)
         self.wait_limit = WaitLimit(c.signature_timeout, c.signature_timeout_min,
                                     c.signature_timeout_factor)
         self.metrics.signature_wait_limit.set(self.wait_limit.value)
@@ -126,7 +136,11 @@ class Router:
     # ------------------------------------------------------------ routing state
     def _routing(self, spec: PolicySpec, encoder: Optional[SignatureEncoder],
                  path: Optional[str]) -> Routing:
+        """The configured policy; while an artifact policy waits for its first artifact
+        (``--online`` warming up, a followed file not written yet), least loaded."""
         c = self.config
+        if spec.needs_artifact and encoder is None and (c.online or c.calibration_watch):
+            spec = policy_spec("jsq")
         ctx = PolicyContext(
             len(self.pool.decodes), seed=c.seed, tau=c.tau,
             centroids=encoder.centroids if encoder is not None else None,
@@ -181,12 +195,19 @@ class Router:
         owns centroid i; K != N handled by ``CentroidOwnership``); ``--tau`` given at
         start-up stays, otherwise the new artifact's tau is used (0 included)."""
         art = load_calibration(path)
+        out = self.install_artifact(art, str(path))
+        if self.online is not None:
+            self.online.adopt(art)
+        return out
+
+    def install_artifact(self, art: Any, path: str, origin: str = "file") -> dict:
+        """Make ``art`` the live calibration in one step (a reload, an online fit)."""
         enc = SignatureEncoder(art)
         old = self.routing
-        if old.spec.rebuild_on_reload:
-            new = self._routing(old.spec, enc, str(path))
+        if self.spec.rebuild_on_reload or old.spec is not self.spec:
+            new = self._routing(self.spec, enc, path)
         else:
-            new = replace(old, encoder=enc, calibration_path=str(path))
+            new = replace(old, encoder=enc, calibration_path=path)
         warnings = []
         k, n = int(enc.centroids.shape[0]), len(self.pool.decodes)
         if k != n:
@@ -196,7 +217,8 @@ class Router:
             warnings.append(f"prefill plugin last sent layers {self.last_layers}, artifact has "
                             f"{enc.layers}: signatures will fall back until the plugin matches")
         self.routing = new  # one step: requests see the old pair or the new one
-        self.metrics.reloads.labels("ok").inc()
+        if origin == "file":
+            self.metrics.reloads.labels("ok").inc()
         logger.info("calibration reloaded from %s: K=%d dim=%d tau=%s%s", path, k,
                     enc.centroids.shape[1], new.tau, f" ({'; '.join(warnings)})" if warnings else "")
         return {"ok": True, "path": str(path),
@@ -220,6 +242,8 @@ class Router:
             pool.remove_prefill(url)
         for url, port in add_prefill:
             pool.add_prefill(url, port)
+        if self.online is not None and (add or remove):
+            self.online.maybe_fit()  # K = decode servers again, the others' regions kept
 
     # backwards-compatible shorthands
     def add_decode(self, url: str) -> None:
@@ -301,6 +325,7 @@ class Router:
             "decode": [s.describe() for s in pool.decodes],
             "loads": pool.decode_loads(),
             "policy_state": rt.policy.describe(),
+            "calibration": self.calibration_info(),
             "counters": self.metrics.counters(),
             "signature_buffer": {"buffered": len(self.board.buffer),
                                  "buffered_bytes": self.board.buffered_bytes,
@@ -362,17 +387,32 @@ class Router:
         m.board.labels("waiting").set(len(self.board.waiters))
         m.board.labels("buffered").set(len(self.board.buffer))
         m.draining.set(int(self.draining))
+        if self.online is not None:
+            self.online.update_gauges()
         data, ctype = m.render()
         return web.Response(body=data, headers={"Content-Type": ctype})
 
     async def h_status(self, request: web.Request) -> web.Response:
         return json_response(self.status())
 
-    async def h_calibration_get(self, request: web.Request) -> web.Response:
+    def calibration_info(self) -> dict:
+        """Where the live calibration came from (offline file or online fit) and the
+        online lifecycle's state."""
         rt = self.routing
-        return json_response({"path": rt.calibration_path, "tau": rt.tau,
-                              "artifact": rt.encoder.describe() if rt.encoder else None,
-                              "policy_state": rt.policy.describe()})
+        art = rt.encoder.artifact if rt.encoder else None
+        created = dict(getattr(art, "created", None) or {})
+        return {"path": rt.calibration_path, "policy": rt.name, "tau": rt.tau,
+                "artifact": rt.encoder.describe() if rt.encoder else None,
+                "checksum": art.checksum() if hasattr(art, "checksum") else None,
+                "provenance": ({"mode": created.get("mode", "offline"), **created}
+                               if art is not None else None),
+                "online": self.online.describe() if self.online else None,
+                "watch": ({"path": self.watcher.path, "interval_s": self.watcher.interval,
+                           "errors": self.watcher.errors} if self.watcher else None)}
+
+    async def h_calibration_get(self, request: web.Request) -> web.Response:
+        return json_response({**self.calibration_info(),
+                              "policy_state": self.routing.policy.describe()})
 
     # ------------------------------------------------------------ lifecycle
     async def drain(self, timeout: float) -> bool:
@@ -407,6 +447,8 @@ class Router:
         if c.load_interval > 0:
             self.spawn(self.pool.run_periodic(c.load_interval, self.pool.poll_loads))
         self.spawn(self._sweep_board())
+        if self.watcher is not None:
+            self.spawn(self.watcher.run())
 
     async def _sweep_board(self) -> None:
         """Expire unclaimed signature messages even when no traffic comes in."""
@@ -416,6 +458,8 @@ class Router:
 
     async def stop_background(self) -> None:
         await self.intake.close()
+        if self.online is not None:
+            self.online.close()
         for t in list(self._bg):
             t.cancel()
         await asyncio.gather(*self._bg, return_exceptions=True)

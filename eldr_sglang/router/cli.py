@@ -11,7 +11,8 @@ and default). ``--config FILE`` (YAML or JSON) takes the same keys
 (``signature-timeout`` or ``signature_timeout``); flags on the command line win.
 ``prefill`` is a list of "URL [PORT]" strings or [URL, PORT] pairs, ``decode`` a
 list of URLs. ``--workers N`` runs N router processes on one port (SO_REUSEPORT);
-process i takes signatures on ``--signature-port`` + i. SIGTERM/SIGINT drain: new
+process i takes signatures on ``--signature-port`` + i. With ``--online``, process 0
+fits and writes ``--calibration-out``; the others follow that file. SIGTERM/SIGINT drain: new
 requests get 503, in-flight ones finish (up to ``--drain-timeout``), then exit 0.
 """
 
@@ -144,8 +145,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     except ValueError as e:
         p.error(str(e))
     spec = policy_spec(args.policy)
-    if spec.needs_artifact and not args.calibration:
-        p.error(f"--policy {args.policy} needs --calibration")
+    if spec.needs_artifact and not (args.calibration or args.online):
+        p.error(f"--policy {args.policy} needs --calibration (or --online to learn one)")
     if spec.needs_domain_map and not args.domain_map:
         p.error(f"--policy {args.policy} needs --domain-map")
     try:
@@ -190,6 +191,9 @@ def _serve_process(args: argparse.Namespace, index: int) -> None:
     c = args.router_config
     if c.signature_port:
         args.router_config = c = replace(c, signature_port=c.signature_port + index)
+    if c.online and index > 0:  # process 0 fits; the others follow the artifact it writes
+        args.router_config = c = replace(c, online=False, calibration=c.calibration_out,
+                                         calibration_watch=c.calibration_watch or 1.0)
     _setup_logging(c.log_level)
     try:
         router = build_router(args)

@@ -39,6 +39,28 @@ class RouterConfig:
     label_field: Optional[str] = _opt("body field holding the request label (removed before forwarding)")
     label_header: Optional[str] = _opt("HTTP header holding the request label")
     seed: Optional[int] = _opt("seed of the policies' random tie-breaks", 0)
+    # online calibration (eldr_sglang.core.online)
+    online: bool = _opt(
+        "learn the calibration from live signatures: route by load until "
+        "--online-min-signatures arrived, fit (K = decode servers), then refit on drift, "
+        "membership changes and --online-refit-every; --calibration is the starting point "
+        "when given", False, flag=True)
+    online_min_signatures: int = _opt("signatures before the first online fit (and in a fit after drift)", 2000)
+    online_window: int = _opt("most recent signatures kept for online fits", 20000)
+    online_refit_every: int = _opt("periodic online refit after this many signatures (0: off)", 0)
+    online_drift_window: int = _opt("recent signatures compared with the fit for drift", 512)
+    online_drift_ks: float = _opt(
+        "drift: refit when the KS distance of best-centroid similarity exceeds this", 0.2)
+    online_drift_shift: float = _opt(
+        "drift: refit when the total-variation distance of region shares exceeds this", 0.2)
+    online_fit_in: str = _opt("where online fits run, off the event loop", "process",
+                              choices=("process", "thread"))
+    calibration_out: Optional[str] = _opt(
+        "write the live artifact here (atomically) on every online swap; restart with "
+        "--calibration at the same path to continue from it")
+    calibration_watch: float = _opt(
+        "seconds between checks of --calibration for a newer file, reloaded when it "
+        "changes (router replicas following one --online router; 0: off)", 0.0)
     # signatures
     signature_timeout: float = _opt(
         "longest wait for a prefill signature before falling back to least loaded (the "
@@ -105,7 +127,7 @@ class RouterConfig:
                     "max_batch", "max_body_mb", "workers", "retry_after")
         non_negative = ("signature_timeout_min", "signature_timeout_factor", "health_interval",
                         "health_cooldown", "load_interval", "max_inflight", "decisions_kept",
-                        "drain_timeout")
+                        "drain_timeout", "calibration_watch")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: expected a number > 0, got {getattr(self, name)!r}")
@@ -120,6 +142,16 @@ class RouterConfig:
                 raise ValueError(f"{name}: expected 0-65535, got {v}")
         if self.signature_port and self.signature_port == self.port:
             raise ValueError(f"signature_port: {self.signature_port} is the router's port; pick another")
+        if self.online:
+            self.online_settings()
+        if self.calibration_watch and not self.calibration:
+            raise ValueError("calibration_watch: needs --calibration (the file to follow)")
+        if self.calibration_watch and self.online:
+            raise ValueError("calibration_watch: an --online router writes the calibration, it "
+                             "does not follow one")
+        if self.online and self.workers > 1 and not self.calibration_out:
+            raise ValueError("calibration_out: --online with --workers > 1 needs it (process 0 "
+                             "fits and writes it, the others follow it)")
         if self.workers > 1 and self.port == 0:
             raise ValueError("workers: several processes need a fixed --port to share")
 
@@ -132,6 +164,24 @@ class RouterConfig:
         return cls(**values)
 
     # ------------------------------------------------------------ derived values
+    def online_settings(self) -> Any:
+        """The :class:`~eldr_sglang.core.online.OnlineSettings` of the ``online_*`` fields
+        (ValueError naming the flag)."""
+        from eldr_sglang.core.artifact import DEFAULT_TAU
+        from eldr_sglang.core.online import OnlineSettings
+
+        try:
+            return OnlineSettings(
+                min_signatures=self.online_min_signatures, window=self.online_window,
+                refit_every=self.online_refit_every, drift_window=self.online_drift_window,
+                drift_ks=self.online_drift_ks, drift_shift=self.online_drift_shift,
+                tau=DEFAULT_TAU if self.tau is None else self.tau,
+                seed=0 if self.seed is None else self.seed)
+        except ValueError as e:  # "online window (...)" -> "online_window: ..."
+            words = str(e).split()
+            name = "online_" + words[1].rstrip(":") if len(words) > 1 else "online"
+            raise ValueError(f"{name}: {e}") from None
+
     @property
     def inflight_limit(self) -> int:
         """``max_inflight``, or what the open-file limit allows."""

@@ -46,10 +46,12 @@ class RateLimitedLog:
 class SignatureIntake:
     def __init__(self, board: SignatureBoard, metrics: RouterMetrics, max_bytes: int,
                  encoder: Callable[[], Optional[SignatureEncoder]],
-                 buffering: Callable[[], bool]) -> None:
+                 buffering: Callable[[], bool],
+                 observer: Optional[Callable[[dict], None]] = None) -> None:
         self.board, self.metrics, self.max_bytes = board, metrics, max_bytes
         self.encoder = encoder  # the router's current encoder (it changes on reloads)
         self.buffering = buffering  # whether unclaimed messages are worth keeping
+        self.observer = observer  # sees every well-formed message (online calibration)
         self.log = RateLimitedLog()
         self.streams: set[asyncio.StreamWriter] = set()
         self.server: Optional[asyncio.AbstractServer] = None
@@ -70,6 +72,8 @@ class SignatureIntake:
         for m in msgs:
             try:
                 parse_message(m)
+                if self.observer is not None:
+                    self.observer(m)
                 if enc is not None and m["bootstrap_room"] not in self.board.waiters:
                     enc.check(m)  # a waiting request gets it anyway: it falls back, with the reason
             except SignatureError as e:

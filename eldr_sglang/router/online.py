@@ -1,0 +1,202 @@
+"""The router's online calibration (``--online``) and calibration following (``--calibration-watch``).
+
+:class:`OnlineController` feeds every accepted signature message to the core's
+:class:`~eldr_sglang.core.online.OnlineCalibrator`, starts a fit when one is due
+(initial, drift, periodic, membership, manual), runs it off the event loop (a
+one-worker process pool by default: the fit's Python loops must not hold the GIL
+the event loop needs), swaps the result in as one :class:`~eldr_sglang.router.app.Routing`
+value and writes it to ``--calibration-out``. One fit runs at a time; a fit whose
+decode pool changed while it ran is dropped and started again.
+
+:class:`CalibrationWatcher` lets router replicas (other hosts, or ``--workers``
+processes) follow the artifact one ``--online`` router writes: it reloads
+``--calibration`` whenever the file changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import multiprocessing
+import os
+import time
+from typing import TYPE_CHECKING, Optional
+
+from eldr_sglang.core.online import FitResult, OnlineCalibrator, model_from_message, run_fit
+
+if TYPE_CHECKING:
+    from eldr_sglang.router.app import Router
+
+logger = logging.getLogger("eldr_sglang.router")
+
+
+class OnlineController:
+    def __init__(self, router: "Router") -> None:
+        self.r = router
+        c = router.config
+        enc = router.routing.encoder
+        start = enc.artifact if enc is not None and hasattr(enc.artifact, "checksum") else None
+        self.calibrator = OnlineCalibrator(c.online_settings(), artifact=start)
+        self.fit_in = c.online_fit_in
+        self.out = c.calibration_out
+        self.task: Optional[asyncio.Task] = None
+        self.executor: Optional[concurrent.futures.Executor] = None
+        self.fitted_at: Optional[float] = time.time() if start is not None else None
+        self.failures = 0
+        self.last_error: Optional[str] = None
+        m = router.metrics
+        m.calibration_online.set(2 if start is not None else 1)
+
+    # ------------------------------------------------------------ intake side
+    def observe(self, msg: dict) -> None:
+        """One accepted signature message (called by the intake, on the event loop)."""
+        counts = msg["counts"]
+        cal = self.calibrator
+        cal.observe(counts, msg["layers"], model_from_message(msg, counts) if cal.model is None else None)
+        self.maybe_fit()
+
+    def request_refit(self) -> None:
+        self.calibrator.request()
+        self.maybe_fit()
+
+    def maybe_fit(self) -> Optional[str]:
+        """Start a fit if one is due and none runs; its reason or None."""
+        if self.task is not None and not self.task.done():
+            return None
+        reason = self.calibrator.due(len(self.r.pool.decodes))
+        if reason is not None:
+            self.task = self.r.spawn(self._fit(reason))
+        return reason
+
+    # ------------------------------------------------------------ fitting
+    def _executor(self) -> concurrent.futures.Executor:
+        if self.executor is None:
+            if self.fit_in == "thread":
+                self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="eldr-fit")
+            else:
+                self.executor = concurrent.futures.ProcessPoolExecutor(
+                    1, mp_context=multiprocessing.get_context("spawn"))
+        return self.executor
+
+    async def _fit(self, reason: str) -> None:
+        n = len(self.r.pool.decodes)
+        owners = self._owners(n)
+        job = self.calibrator.job(n, reason, owners)
+        loop = asyncio.get_running_loop()
+        try:
+            result: FitResult = await loop.run_in_executor(self._executor(), run_fit, job)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a failed fit keeps the live calibration
+            self.failures += 1
+            self.last_error = f"{type(e).__name__}: {e}"
+            self.r.metrics.event("online_fit_failed")
+            logger.error("online fit (%s) failed, calibration kept: %s", reason, self.last_error)
+            if isinstance(e, concurrent.futures.process.BrokenProcessPool):
+                self.executor = None
+            return
+        if result.artifact.num_clusters != len(self.r.pool.decodes) or self._owners(n) != owners:
+            logger.info("decode pool changed during the online fit; fitting again")
+            self.task = None
+            self.maybe_fit()
+            return
+        self.install(result)
+        self.task = None
+        self.maybe_fit()  # traffic may already call for another
+
+    def _owners(self, n: int) -> Optional[list[list[int]]]:
+        own = getattr(self.r.routing.policy, "ownership", None)
+        if own is None or own.num_servers != n:
+            return None
+        return own.as_lists()
+
+    def install(self, result: FitResult) -> None:
+        """Swap ``result`` in (one step), persist it, record it."""
+        art = result.artifact
+        path = None
+        if self.out:
+            try:
+                path = str(art.save(self.out))
+            except OSError as e:
+                self.r.metrics.event("online_save_failed")
+                logger.error("cannot write --calibration-out %s: %s", self.out, e)
+        self.calibrator.install(result)
+        self.r.install_artifact(art, path or f"online:{self.calibrator.generation}", origin="online")
+        self.fitted_at = time.time()
+        m = self.r.metrics
+        m.calibration_refits.labels(result.reason).inc()
+        m.calibration_online.set(2)
+        if result.churn is not None:
+            m.calibration_churn.set(result.churn)
+        logger.info("online calibration %d (%s): %d signatures, K=%d, churn=%s, fit %.2fs%s",
+                    self.calibrator.generation, result.reason, result.n_signatures,
+                    art.num_clusters, "n/a" if result.churn is None else f"{result.churn:.3f}",
+                    result.seconds, f", written to {path}" if path else "")
+
+    def adopt(self, artifact) -> None:
+        """An artifact loaded by an operator (``POST /eldr/calibration``) becomes the
+        starting point of later refits."""
+        if hasattr(artifact, "checksum"):
+            self.calibrator.artifact = artifact
+            self.calibrator.monitor = None
+            self.fitted_at = time.time()
+
+    # ------------------------------------------------------------ observability
+    def update_gauges(self) -> None:
+        m, cal = self.r.metrics, self.calibrator
+        m.calibration_signatures.set(len(cal.window))
+        if self.fitted_at is not None:
+            m.calibration_age.set(time.time() - self.fitted_at)
+        stats = cal.monitor.statistics() if cal.monitor is not None else None
+        for name in ("similarity_ks", "owner_shift"):
+            if stats is not None:
+                m.calibration_drift.labels(name).set(stats[name])
+
+    def describe(self) -> dict:
+        self.update_gauges()
+        return {**self.calibrator.describe(), "fitting": self.task is not None and not self.task.done(),
+                "fit_in": self.fit_in, "out": self.out, "failures": self.failures,
+                "last_error": self.last_error,
+                "age_s": None if self.fitted_at is None else round(time.time() - self.fitted_at, 3)}
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+            self.executor = None
+
+
+class CalibrationWatcher:
+    """Reload ``path`` whenever its modification time or size changes."""
+
+    def __init__(self, router: "Router", path: str, interval: float) -> None:
+        self.r, self.path, self.interval = router, path, interval
+        self.seen = self._stamp()
+        self.errors = 0
+
+    def _stamp(self) -> Optional[tuple[int, int]]:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size
+
+    def check(self) -> bool:
+        """Reload if the file changed; True when a new artifact went live."""
+        stamp = self._stamp()
+        if stamp is None or stamp == self.seen:
+            return False
+        self.seen = stamp
+        try:
+            self.r.reload_calibration(self.path)
+        except ValueError as e:  # half-written by a non-atomic writer, or bad: keep the live one
+            self.errors += 1
+            self.r.metrics.reloads.labels("refused").inc()
+            logger.warning("calibration watch: %s not loaded, previous kept: %s", self.path, e)
+            return False
+        return True
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            self.check()
