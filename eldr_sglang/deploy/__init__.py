@@ -2,7 +2,8 @@
 
 ``spec`` validates the description, ``commands`` builds each server's and the
 router's command line, ``files`` checks the artifact and placement files,
-``presets`` ships the paper's setups. CLI: ``python -m eldr_sglang.deploy``.
+``presets`` ships the paper's setups, ``k8s`` writes Kubernetes manifests. CLI:
+``python -m eldr_sglang.deploy``.
 """
 
 from .commands import Launch, build_launches

@@ -4,10 +4,13 @@
     python -m eldr_sglang.deploy check   (CLUSTER.yaml | --preset NAME) [--skip-files]
     python -m eldr_sglang.deploy dry-run (CLUSTER.yaml | --preset NAME)
     python -m eldr_sglang.deploy scripts (CLUSTER.yaml | --preset NAME) --out DIR
+    python -m eldr_sglang.deploy k8s     (CLUSTER.yaml | --preset NAME) --out DIR [--namespace NS] [--image IMAGE]
 
 ``check`` validates the description and (unless ``--skip-files``) the calibration
 artifact and placement files it names; ``dry-run`` prints every command per node;
-``scripts`` writes one ``NODE.sh`` per node. A bad description prints
+``scripts`` writes one ``NODE.sh`` per node; ``k8s`` writes Kubernetes manifests
+(``kubectl apply -f DIR``), reading the calibration artifact into a ConfigMap: like
+``check``, a missing or unfitting artifact is an error. A bad description prints
 ``error: FIELD: ...`` and exits with status 2.
 """
 
@@ -22,6 +25,7 @@ from typing import Sequence
 
 from .commands import Launch, build_launches
 from .files import check_files
+from .k8s import K8sOptions, build_manifests, write_manifests
 from .presets import load_description, preset_names
 from .spec import Cluster, DescriptionError, parse_cluster
 
@@ -31,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("presets", help="list the shipped cluster descriptions")
     for name, text in (("check", "validate a description and its files"), ("dry-run", "print every command"),
-                       ("scripts", "write one shell script per node")):
+                       ("scripts", "write one shell script per node"), ("k8s", "write Kubernetes manifests")):
         p = sub.add_parser(name, help=text)
         source = p.add_mutually_exclusive_group(required=True)
         source.add_argument("description", nargs="?", help="cluster description YAML")
@@ -40,7 +44,24 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--skip-files", action="store_true", help="do not open the artifact and placement files")
         if name == "scripts":
             p.add_argument("--out", required=True, help="directory for NODE.sh scripts")
+        if name == "k8s":
+            add_k8s_arguments(p)
     return ap
+
+
+def add_k8s_arguments(p: argparse.ArgumentParser) -> None:
+    d = K8sOptions()
+    p.add_argument("--out", required=True, help="directory for the manifests (kubectl apply -f DIR)")
+    p.add_argument("--namespace", default=d.namespace, help="namespace of every object (default: %(default)s)")
+    p.add_argument("--image", default=d.image,
+                   help="image with SGLang and eldr-sglang installed, for engines and router (default: %(default)s)")
+    p.add_argument("--router-replicas", type=int, default=d.router_replicas, help="router pods (default: 1)")
+    p.add_argument("--artifact", help="read the calibration artifact from this file (default: the description's "
+                                      "calibration path); pods see it at the description's path")
+    p.add_argument("--cluster-domain", default=d.cluster_domain,
+                   help="DNS domain of the cluster (default: %(default)s)")
+    p.add_argument("--pin-nodes", action="store_true",
+                   help="nodeSelector kubernetes.io/hostname: the description's node names")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -53,6 +74,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         cluster = parse_cluster(load_description(args.description, args.preset))
         launches = build_launches(cluster)
         notes = check_files(cluster) if args.command == "check" and not args.skip_files else []
+        if args.command == "k8s":
+            options = K8sOptions(namespace=args.namespace, image=args.image, router_replicas=args.router_replicas,
+                                 pin_nodes=args.pin_nodes, artifact=args.artifact, cluster_domain=args.cluster_domain)
+            manifests, notes = build_manifests(cluster, options)
     except DescriptionError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -62,6 +87,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(summary(cluster, launches))
     elif args.command == "dry-run":
         print(render(cluster, launches))
+    elif args.command == "k8s":
+        for path in write_manifests(manifests, args.out):
+            print(path)
     else:
         for path in write_scripts(cluster, launches, args.out):
             print(path)

@@ -5,25 +5,32 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..core.artifact import load_artifact
+from ..core.artifact import CalibrationArtifact, load_artifact
 from ..placement.sglang_files import MANIFEST, SERVER_FILE, read_location_file
 from .spec import Cluster, DescriptionError
 
 
-def check_files(cluster: Cluster) -> list[str]:
-    """Raise DescriptionError for a missing or inconsistent file; return notes."""
-    notes = []
+def check_artifact(cluster: Cluster, path: str | None = None) -> tuple[CalibrationArtifact, list[str]]:
+    """The calibration artifact (read from ``path``, default the description's ``calibration``)
+    and notes; DescriptionError when it is unreadable or does not fit the decode servers."""
     try:
-        artifact = load_artifact(cluster.calibration)
+        artifact = load_artifact(path or cluster.calibration)
     except ValueError as exc:
         raise DescriptionError(f"calibration: {exc}") from None
-    decode = cluster.decode
+    decode, notes = cluster.decode, []
     if artifact.num_clusters != decode.count:
         message = (f"calibration: the artifact has {artifact.num_clusters} centroids for {decode.count} decode "
                    f"servers (calibrate with --clusters {decode.count})")
         if decode.ep_size > 1:
             raise DescriptionError(message + "; per-server placement needs one centroid per decode server")
         notes.append(message + "; the router shares centroids between servers")
+    return artifact, notes
+
+
+def check_files(cluster: Cluster) -> list[str]:
+    """Raise DescriptionError for a missing or inconsistent file; return notes."""
+    artifact, notes = check_artifact(cluster)
+    decode = cluster.decode
     if decode.ep_size == 1:
         return notes
     folder = Path(decode.placement_dir)

@@ -1,0 +1,144 @@
+"""Workloads of the Kubernetes manifests: one StatefulSet per engine server, the router
+Deployment. Commands, environment and ports come from the server's :class:`Launch`."""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+from typing import Any, Sequence
+
+from eldr_sglang.router.config import RouterConfig
+
+from .commands import Launch
+from .spec import Cluster, Role
+
+GPU_RESOURCE = {"rocm": "amd.com/gpu", "cuda": "nvidia.com/gpu"}
+ENGINE_CPU_PER_GPU = 8
+ENGINE_MEMORY_GI_PER_GPU = 64
+SHM_SIZE = "32Gi"  # NCCL/RCCL and SGLang's shared-memory queues (docker: --shm-size 32g)
+ROUTER_MEMORY_GI_PER_WORKER = 2
+# SGLang's /health generates one token and waits up to SGLANG_HEALTH_CHECK_TIMEOUT (20 s);
+# loading weights takes minutes, so the startup probe allows 60 s + 120 x 15 s.
+ENGINE_STARTUP = {"initialDelaySeconds": 60, "periodSeconds": 15, "timeoutSeconds": 25, "failureThreshold": 120}
+ENGINE_READY = {"periodSeconds": 30, "timeoutSeconds": 25, "failureThreshold": 2}
+ENGINE_LIVE = {"periodSeconds": 30, "timeoutSeconds": 25, "failureThreshold": 4}
+ROUTER_READY = {"periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 2}  # 503 while draining
+ROUTER_LIVE = {"initialDelaySeconds": 10, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6}
+
+
+def flag_value(argv: Sequence[str], flag: str) -> str | None:
+    """The last value of ``flag`` (``--flag v`` or ``--flag=v``) in ``argv``, else None."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def engine_ports(launch: Launch) -> list[tuple[str, int]]:
+    """(name, port) a server listens on: HTTP, prefill bootstrap, ELDR metrics."""
+    ports = [("http", launch.port)]
+    for name, flag in (("bootstrap", "--disaggregation-bootstrap-port"), ("eldr-metrics", "--eldr-metrics-port")):
+        value = flag_value(launch.argv, flag)
+        if value is not None:
+            ports.append((name, int(value)))
+    return ports
+
+
+def router_ports(launch: Launch) -> list[tuple[str, int]]:
+    sig = flag_value(launch.argv, "--signature-port")
+    return [("http", launch.port)] + ([("signature", int(sig))] if sig not in (None, "0") else [])
+
+
+def _probe(settings: dict) -> dict:
+    return {"httpGet": {"path": "/health", "port": "http"}, **settings}
+
+
+def _container(name: str, image: str, launch: Launch, ports: list[tuple[str, int]], env: list[dict],
+               resources: dict, probes: dict, mounts: list[dict]) -> dict:
+    out = {"name": name, "image": image, "imagePullPolicy": "IfNotPresent", "command": list(launch.argv),
+           "env": [{"name": k, "value": v} for k, v in launch.env] + env,
+           "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in ports],
+           "resources": resources, **{k: _probe(v) for k, v in probes.items()}}
+    if not out["env"]:
+        del out["env"]
+    if mounts:
+        out["volumeMounts"] = mounts
+    return out
+
+
+def _pod(containers: list[dict], volumes: list[dict], labels: dict, annotations: dict, grace: int,
+         node_name: str | None) -> dict:
+    spec: dict[str, Any] = {"containers": containers, "terminationGracePeriodSeconds": grace}
+    if volumes:
+        spec["volumes"] = volumes
+    if node_name:
+        spec["nodeSelector"] = {"kubernetes.io/hostname": node_name}
+    meta: dict[str, Any] = {"labels": labels}
+    if annotations:
+        meta["annotations"] = annotations
+    return {"metadata": meta, "spec": spec}
+
+
+def _calibration(config: dict | None, mounts: list[dict], volumes: list[dict], annotations: dict) -> None:
+    """Mount the artifact ConfigMap's key as the file the command names (a new artifact
+    changes the template's checksum annotation, which rolls the pods)."""
+    if config is None:
+        return
+    volumes.append({"name": "calibration", "configMap": {"name": config["name"]}})
+    mounts.append({"name": "calibration", "mountPath": config["path"], "subPath": config["key"], "readOnly": True})
+    annotations["eldr-sglang/calibration-sha256"] = config["sha256"]
+
+
+def _scrape(annotations: dict, port: int) -> None:
+    annotations.update({"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+                        "prometheus.io/path": "/metrics"})
+
+
+def engine_statefulset(cluster: Cluster, role: Role, launch: Launch, metadata: dict, labels: dict, service: str,
+                       image: str, config: dict | None, node_name: str | None) -> dict:
+    """One server: a StatefulSet of one pod (stable name and DNS entry through ``service``)."""
+    n = role.tp_size
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    volumes: list[dict] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}}]
+    for name, path in (("model", cluster.model_path),
+                       ("placement", role.placement_dir if "--init-expert-location" in launch.argv else None)):
+        if path is not None and PurePosixPath(path).is_absolute():  # a path on the nodes; else a hub model id
+            mounts.append({"name": name, "mountPath": path, "readOnly": True})
+            volumes.append({"name": name, "hostPath": {"path": path, "type": "Directory"}})
+    annotations: dict[str, str] = {}
+    _calibration(config, mounts, volumes, annotations)
+    ports = engine_ports(launch)
+    if dict(ports).get("eldr-metrics"):
+        _scrape(annotations, dict(ports)["eldr-metrics"])
+    gpu = GPU_RESOURCE[cluster.vendor]
+    resources = {"requests": {"cpu": str(ENGINE_CPU_PER_GPU * n), "memory": f"{ENGINE_MEMORY_GI_PER_GPU * n}Gi"},
+                 "limits": {gpu: str(n)}}
+    container = _container(role.kind, image, launch, ports, [], resources,
+                           {"startupProbe": ENGINE_STARTUP, "readinessProbe": ENGINE_READY,
+                            "livenessProbe": ENGINE_LIVE}, mounts)
+    return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": metadata,
+            "spec": {"serviceName": service, "replicas": 1, "podManagementPolicy": "Parallel",
+                     "selector": {"matchLabels": labels},
+                     "template": _pod([container], volumes, labels, annotations, 60, node_name)}}
+
+
+def router_deployment(cluster: Cluster, launch: Launch, metadata: dict, labels: dict, image: str, replicas: int,
+                      config: dict | None, node_name: str | None) -> dict:
+    """The router: ``replicas`` pods side by side (decode load is shared through GET /v1/loads)."""
+    workers = int(flag_value(launch.argv, "--workers") or RouterConfig.workers)
+    drain = float(flag_value(launch.argv, "--drain-timeout") or RouterConfig.drain_timeout)
+    mounts: list[dict] = []
+    volumes: list[dict] = []
+    annotations: dict[str, str] = {}
+    _calibration(config, mounts, volumes, annotations)
+    _scrape(annotations, launch.port)
+    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    resources = {"requests": {"cpu": str(workers), "memory": f"{ROUTER_MEMORY_GI_PER_WORKER * workers}Gi"}}
+    container = _container("router", image, launch, router_ports(launch), env, resources,
+                           {"readinessProbe": ROUTER_READY, "livenessProbe": ROUTER_LIVE}, mounts)
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata,
+            "spec": {"replicas": replicas, "selector": {"matchLabels": labels},
+                     "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+                     "template": _pod([container], volumes, labels, annotations, int(drain) + 15, node_name)}}
