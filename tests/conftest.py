@@ -85,28 +85,22 @@ def test_artifact(tmp_path_factory, n_decode) -> Path:
 
 
 @pytest.fixture(scope="session")
-def eldr_router_port() -> int:
-    """Port the ELDR router will listen on; the prefill plugin publishes there."""
-    return lc.free_port()
-
-
-@pytest.fixture(scope="session")
 def trace_dir(tmp_path_factory) -> Path:
     """Where the shared cluster's servers write trace-mode logs."""
     return tmp_path_factory.mktemp("eldr-trace")
 
 
 @pytest.fixture(scope="session")
-def pd_cluster(fixture_model: Path, test_artifact: Path, eldr_router_port: int, n_decode: int,
-               trace_dir: Path):
+def pd_cluster(fixture_model: Path, test_artifact: Path, n_decode: int, trace_dir: Path):
     """1 prefill + N decode SGLang CPU servers over mooncake_tcp, late binding
     on, the ELDR plugin active: prefill publishes the artifact's layers to the
-    ELDR router's port; all servers run in trace mode and serve plugin metrics."""
+    address each request carries (each ELDR router's signature port); all servers
+    run in trace mode and serve plugin metrics."""
     trace = ["--eldr-trace-dir", str(trace_dir)]
     cluster = lc.start_pd_cluster(
         str(fixture_model), LOG_DIR, n_prefill=1, n_decode=n_decode, progress=_progress,
         prefill_args=["--eldr-calibration", str(test_artifact),
-                      "--eldr-publish", f"http://127.0.0.1:{eldr_router_port}/eldr/signature", *trace],
+                      "--eldr-publish", "request", *trace],
         decode_args=trace, eldr_metrics=True)
     _started.extend(cluster.processes)
     try:
@@ -136,10 +130,11 @@ def _serve_router(proc: lc.ManagedProcess):
 
 
 @pytest.fixture(scope="session")
-def eldr_router(pd_cluster, test_artifact: Path, eldr_router_port: int):
-    """The ELDR router (policy eldr) in front of ``pd_cluster``."""
-    yield from _serve_router(lc.start_eldr_router(pd_cluster, LOG_DIR, artifact=test_artifact,
-                                                  port=eldr_router_port))
+def eldr_router(pd_cluster, test_artifact: Path):
+    """The ELDR router (policy eldr) in front of ``pd_cluster``; its port is picked just
+    before it starts (again on a clash), signatures come to its own signature port."""
+    yield from _serve_router(lc.start_eldr_router_ready(pd_cluster, LOG_DIR, artifact=test_artifact,
+                                                        extra_args=["--signature-port", "0"]))
 
 
 @pytest.fixture(scope="session")

@@ -114,9 +114,15 @@ def test_drift_monitor_fires_on_a_planted_shift_and_not_on_a_stationary_stream()
     _feed(cal, language)
     assert cal.due(4) == "drift", cal.monitor.statistics()
     job = cal.job(4, "drift", owners=[[0], [1], [2], [3]])
-    assert len(job.counts) == st.min_signatures  # the recent traffic, not the whole window
+    assert len(job.counts) == st.drift_window  # the traffic that tripped it, not the whole window
     cal.install(run_fit(job))
     assert cal.history[-1].reason == "drift" and cal.history[-1].drift["similarity_ks"] > 0.2
+    assert cal.due(4) is None
+    more = _traces(st.min_signatures, seed=4, task_strength=0.0, language_strength=3.0)
+    _feed(cal, more)  # a settle fit on traffic entirely after the drift
+    assert cal.due(4) == "settle"
+    cal.install(run_fit(cal.job(4, "settle", owners=[[0], [1], [2], [3]])))
+    assert cal.due(4) is None
 
 
 def test_membership_and_manual_reasons():
@@ -182,3 +188,25 @@ def test_online_artifact_round_trips_through_save_and_load(tmp_path):
     assert isinstance(art, CalibrationArtifact)
     back = load_artifact(art.save(tmp_path / "live.json"))
     assert back.checksum() == art.checksum() and back.created["reason"] == "initial"
+
+
+def test_simulator_runs_the_online_policy_and_it_fits_after_min_signatures():
+    from eldr_sglang.sim.online import OnlineEldrPolicy, elastic_refits
+    from eldr_sglang.sim.simulator import SimConfig, simulate
+    from eldr_sglang.sim.workload import build_workload
+
+    traces = _traces(400, seed=9)
+    wl = build_workload(traces, "task")
+    policy = OnlineEldrPolicy(4, LAYERS, traces.model, OnlineSettings(min_signatures=150, window=400))
+    cfg = SimConfig(num_prefill=2, num_decode=4, rate=40.0, warmup_s=1.0, measure_s=6.0, seed=0)
+    res = simulate(wl, policy, cfg, counts=_counts(traces))
+    assert res.summary["conserved"]
+    assert [f["reason"] for f in policy.fits][:1] == ["initial"]
+    assert policy.fits[0]["at_decision"] == 150  # routed by load until then
+    assert policy.inner.name == "eldr"
+    steps = elastic_refits(policy.calibrator, 4, 6)
+    assert [s["servers"] for s in steps] == [5, 6] and policy.calibrator.artifact.num_clusters == 6
+    # without counts the policy never learns (the simulator only passes what it is given)
+    blind = OnlineEldrPolicy(4, LAYERS, traces.model, OnlineSettings(min_signatures=150, window=400))
+    simulate(wl, blind, cfg)
+    assert blind.fits == [] and blind.inner.name == "jsq"

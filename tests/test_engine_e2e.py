@@ -179,3 +179,35 @@ def test_trace_mode_logs_join_into_calibration_traces(eldr_router, trace_dir, fi
     assert traces.gate_prob_sums is not None and (traces.gate_prob_sums.sum(axis=2) <= traces.prompt_tokens[:, None] + 1e-3).all()
     steps = [json.loads(line) for f in trace_dir.glob("steps-*.jsonl") for line in f.open()]
     assert steps and all(4 <= u <= 16 for s in steps for u in s["unique_per_layer"])
+
+
+def test_router_started_without_artifact_converges_and_routes_by_signature(eldr_router, pd_cluster):
+    """``--online`` in front of real SGLang servers: no artifact at start (least loaded),
+    a fit once 6 signatures came (in a separate process, K = 2 decode servers), then
+    decisions by signature; the fit's layers are those the engine publishes."""
+    from conftest import LOG_DIR
+    from eldr_sglang import local_cluster as lc
+
+    router = lc.start_eldr_router_ready(
+        pd_cluster, LOG_DIR, policy="eldr",
+        extra_args=["--online", "--online-min-signatures", "6", "--online-drift-window", "4",
+                    "--signature-port", "0"])
+    try:
+        first = route(router.url, PROMPTS[0])
+        assert first["policy"] == "jsq"  # warming: by load
+        for i in range(5):
+            route(router.url, PROMPTS[(i + 1) % len(PROMPTS)] + f" ({i})")
+        deadline = time.monotonic() + 180
+        while True:
+            info = http_json(router.url + "/eldr/calibration")
+            if info["online"]["generation"] >= 1:
+                break
+            assert time.monotonic() < deadline, info["online"]
+            time.sleep(0.5)
+        assert info["provenance"]["mode"] == "online" and info["policy"] == "eldr"
+        assert info["artifact"]["layers"] == list(TEST_ARTIFACT_LAYERS)
+        assert info["artifact"]["num_clusters"] == len(pd_cluster.decodes)
+        later = [route(router.url, p) for p in PROMPTS[:2]]
+        assert all(d["policy"] == "eldr" and d["reason"] == "band" for d in later), later
+    finally:
+        router.stop()

@@ -14,6 +14,9 @@ Lifecycle of an :class:`OnlineCalibrator`:
    ``drift`` (the recent best-centroid similarities or region shares moved away from
    the fit's), ``periodic`` (``refit_every`` signatures since the last fit),
    ``membership`` (K differs from the number of decode servers) or ``manual``.
+   A drift fit uses only the last ``drift_window`` signatures (the traffic that
+   tripped it), and a ``settle`` fit follows ``min_signatures`` later, on traffic
+   entirely after the drift.
 
 A refit warm-starts from the current centroids (each server's own centroid is its
 starting point; a new server gets a k-means++ style seed), then matches the new
@@ -40,7 +43,7 @@ from .clustering import BalancedKMeans
 from .signature import COUNT_VARIANTS, SignatureBuilder, l2_normalize
 from .traces import ModelSpec
 
-REASONS = ("initial", "periodic", "drift", "membership", "manual")
+REASONS = ("initial", "periodic", "drift", "settle", "membership", "manual")
 ONLINE_TOOL = "eldr_sglang.router (online)"
 
 
@@ -48,7 +51,7 @@ ONLINE_TOOL = "eldr_sglang.router (online)"
 class OnlineSettings:
     """When to fit and refit (counts are signatures, i.e. prefilled requests)."""
 
-    min_signatures: int = 2000  # first fit; also the size of a fit after drift
+    min_signatures: int = 2000  # first fit; also when (and on how many) a settle fit follows a drift fit
     window: int = 20000  # signatures kept for fits (most recent)
     refit_every: int = 0  # periodic refit after this many signatures (0: off)
     drift_window: int = 512  # recent signatures compared with the fit
@@ -225,8 +228,9 @@ class FitResult:
 def warm_start(previous: np.ndarray, owners: Sequence[Sequence[int]], X: np.ndarray, k: int,
                seed: int = 0) -> np.ndarray:
     """[k, D] starting centroids in server order: each server's first own previous
-    centroid (one not taken by an earlier server), else a D^2-sampled point of ``X``
-    (far from the centroids chosen so far)."""
+    centroid (one not taken by an earlier server); a server that only shares centroids
+    starts at a member of their region (it splits it); else a D^2-sampled point of
+    ``X`` (far from the centroids chosen so far)."""
     rng = np.random.default_rng(seed)
     rows: list[Optional[np.ndarray]] = []
     taken: set[int] = set()
@@ -238,8 +242,15 @@ def warm_start(previous: np.ndarray, owners: Sequence[Sequence[int]], X: np.ndar
         else:
             rows.append(None)
     chosen = [r for r in rows if r is not None]
+    labels = (X @ previous.T).argmax(axis=1) if len(previous) else None
     for s in range(k):
         if rows[s] is None:
+            shared = [c for c in (owners[s] if s < len(owners) else []) if c < len(previous)]
+            region = np.flatnonzero(np.isin(labels, shared)) if shared and labels is not None else []
+            if len(region) > 1:  # it shares a region: split that region (a member as its seed)
+                rows[s] = X[rng.choice(region)]
+                chosen.append(rows[s])
+                continue
             if chosen:
                 d2 = np.maximum(1.0 - (X @ np.asarray(chosen).T).max(axis=1), 0.0) ** 2
                 p = d2 / d2.sum() if d2.sum() > 0 else None
@@ -295,7 +306,11 @@ def run_fit(job: FitJob) -> FitResult:
         [[i % prev.num_clusters] for i in range(k)] if prev is not None else None)
     warm = prev is not None and prev.layers == list(job.layers) and prev.dim == X.shape[1]
     init = warm_start(prev.centroids, owners, X, k, st.seed) if warm else "k-means++"
-    km = BalancedKMeans(k, n_init=st.n_init, max_iter=st.max_iter, random_state=st.seed, init=init).fit(X)
+    # a membership change moves regions only as far as one balanced assignment from the
+    # warm start needs (measured: full iterations move 15-30% of signature space per
+    # one-server step, one iteration 8-18%; benchmark/bench_online.py)
+    iters = 1 if warm and job.reason == "membership" else st.max_iter
+    km = BalancedKMeans(k, n_init=st.n_init, max_iter=iters, random_state=st.seed, init=init).fit(X)
     centers, labels = km.cluster_centers_, km.labels_
     if warm:
         order = match_to_servers(prev.centroids, owners, centers)
@@ -345,6 +360,7 @@ class OnlineCalibrator:
         self.manual = False
         self.history: deque[FitRecord] = deque(maxlen=32)
         self.ignored = 0  # signatures whose layers differ from the live artifact's
+        self.settling = False  # a drift fit is live: refit once min_signatures more arrived
 
     @property
     def state(self) -> str:
@@ -393,16 +409,18 @@ class OnlineCalibrator:
             return "drift"  # the engines now publish other layers
         if self.monitor is not None and self.monitor.drifted(st.drift_ks, st.drift_shift):
             return "drift"
+        if self.settling and self.since_fit >= st.min_signatures:
+            return "settle"
         if st.refit_every and self.since_fit >= st.refit_every:
             return "periodic"
         return None
 
     def job(self, num_servers: int, reason: str, owners: Optional[list[list[int]]] = None) -> FitJob:
-        """The fit to run for ``reason``; a drift fit uses only the most recent
-        ``min_signatures`` (the new traffic), the others the whole window."""
+        """The fit to run for ``reason``: a drift fit uses the last ``drift_window``
+        signatures, a settle fit the last ``min_signatures``, the others the whole window."""
         if self.model is None or self.window.layers is None:
             raise ValueError("no signature seen yet")
-        n = self.settings.min_signatures if reason == "drift" else None
+        n = {"drift": self.settings.drift_window, "settle": self.settings.min_signatures}.get(reason)
         layers = self.window.layers
         model = self.model
         if max(layers) >= model.num_layers:
@@ -420,6 +438,7 @@ class OnlineCalibrator:
         self._reference_counts = []
         self.generation += 1
         self.since_fit = 0
+        self.settling = result.reason == "drift"
         self.history.append(FitRecord(self.generation, result.reason, result.n_signatures,
                                       result.churn, round(result.seconds, 3), drift))
 

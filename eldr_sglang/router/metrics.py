@@ -147,7 +147,7 @@ class RouterMetrics:
                                      registry=r)
         self.calibration_refits = Counter("eldr_router_calibration_refits",
                                           "Online refits swapped in, by reason (initial, "
-                                          "periodic, drift, membership, manual)", ["reason"],
+                                          "periodic, drift, settle, membership, manual)", ["reason"],
                                           registry=r)
         self.calibration_churn = Gauge("eldr_router_calibration_churn",
                                        "Share of recent signatures whose decode server changed "

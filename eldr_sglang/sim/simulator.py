@@ -147,11 +147,15 @@ class _Server:
 def simulate(workload: SimWorkload, policy: Policy, config: SimConfig,
              signatures: Optional[np.ndarray] = None, cost: Optional[CostParams] = None,
              placement: Optional[np.ndarray] = None,
-             activations: Optional[np.ndarray] = None) -> SimResult:
+             activations: Optional[np.ndarray] = None, counts: Optional[np.ndarray] = None,
+             rows=None) -> SimResult:
     """Run one SIMULATED experiment; ``signatures`` [N, D] (rows of ``workload``) feed the policy,
     ``activations`` [N, D'] (per-step expert probabilities from prefill counts) feed policies
-    that price a server's live batch; the policy is told of every dispatch and finish
-    (``admit`` / ``release``), as the router tells it.
+    that price a server's live batch; ``counts`` [N, n_sel, E] (raw prefill counts) feed
+    policies that learn online. The policy is told of every dispatch and finish
+    (``admit`` / ``release``), as the router tells it. ``rows(arrival_times, rng) -> [n]``
+    picks which workload row each arrival replays (default: uniform; a traffic mix that
+    changes over time passes its own).
 
     ``cost`` overrides ``config.cost``; ``placement`` ([E] or [L, E], trace-expert ->
     EP group) is used when the cost model has ``ep_size > 1``.
@@ -160,7 +164,8 @@ def simulate(workload: SimWorkload, policy: Policy, config: SimConfig,
     rng = np.random.default_rng(config.seed)
     arrivals = arrival_times(config, rng)
     n = arrivals.size
-    pick = rng.integers(0, len(workload), n)  # which trace request each arrival replays
+    pick = (rng.integers(0, len(workload), n) if rows is None  # which trace request each arrival replays
+            else np.asarray(rows(arrivals, rng), dtype=np.int64))
     prompt = workload.prompt_tokens[pick]
     output = workload.output_tokens[pick]
     L, E = workload.num_layers, workload.num_experts
@@ -171,6 +176,7 @@ def simulate(workload: SimWorkload, policy: Policy, config: SimConfig,
         group_size = place.sum(axis=1)  # [L, G]
     wants_sig = signatures is not None and getattr(policy, "needs_signature", False)
     wants_act = activations is not None and getattr(policy, "uses_activation", False)
+    wants_counts = counts is not None and getattr(policy, "uses_counts", False)
     tokens: list = [None] * n  # the policy's admit() tokens, released at finish
     w0, w1 = config.warmup_s, config.warmup_s + config.measure_s
 
@@ -236,7 +242,8 @@ def simulate(workload: SimWorkload, policy: Policy, config: SimConfig,
             sig = signatures[pick[r]] if wants_sig else None
             label = str(workload.labels[pick[r]])
             req = RouteRequest(signature=sig, label=label,
-                               activation=activations[pick[r]] if wants_act else None)
+                               activation=activations[pick[r]] if wants_act else None,
+                               counts=counts[pick[r]] if wants_counts else None)
             s = policy.choose(req, loads)
             tokens[r] = policy.admit(s, req)
             if w0 <= arrivals[r] < w1:

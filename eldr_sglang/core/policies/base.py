@@ -46,6 +46,9 @@ class RouteRequest:
     # [n_sel * E] probability of each expert in one decode step (prefill counts / prompt
     # tokens); read by policies that price a server's live batch
     activation: Optional[np.ndarray] = None
+    # [n_sel, E] raw prefill counts of the published layers; read by policies that learn
+    # their calibration online (the simulator's OnlineEldrPolicy)
+    counts: Optional[np.ndarray] = None
 
 
 @dataclass(slots=True)  # not frozen: a frozen __init__ costs ~2 us per decision
@@ -89,6 +92,7 @@ class Policy:
     name: str = "base"
     needs_signature: bool = False  # wait for the request's signature message
     uses_activation: bool = False  # route by RouteRequest.activation (no artifact needed)
+    uses_counts: bool = False  # reads RouteRequest.counts (learns online)
 
     def choose(
         self,
