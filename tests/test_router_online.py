@@ -40,11 +40,12 @@ async def online_cluster(n_decode=4, **router_kw):
     durls = [await d.start() for d in decodes]
     router_kw.setdefault("online_min_signatures", 40)
     router_kw.setdefault("online_fit_in", "thread")
+    router_kw.setdefault("signature_port", 0)  # signatures come to each request's return address
     router = Router([(purl, BOOT_PORT)], durls, "eldr", online=True, health_interval=0,
                     load_interval=0, **router_kw)
     runner, port = await start_router(router)
     url = f"http://127.0.0.1:{port}"
-    prefill.signature_url = f"{url}/eldr/signature"
+    assert prefill.signature_url is None
     http = aiohttp.ClientSession()
     try:
         yield router, url, prefill, decodes, http

@@ -235,7 +235,9 @@ class Dispatcher:
         stream = bool(body.get("stream", False))
         routing = r.routing
         needs_signature = routing.policy.needs_signature
-        set_return_address(body, endpoint, r.return_address if needs_signature else None)
+        # an --online router learns from every signature, even while it routes by load
+        set_return_address(body, endpoint, r.return_address
+                           if needs_signature or r.online is not None else None)
 
         rooms = [random.getrandbits(63) for _ in range(n or 1)]
         body["bootstrap_room"] = rooms if n else rooms[0]
