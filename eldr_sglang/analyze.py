@@ -19,9 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .core.layer_selection import _rank_scores, pair_weighted_jaccard, per_layer_pair_stats, sample_pairs
-from .core.signature import VARIANTS, SignatureBuilder, variant_input
 from .core.traces import TraceSet, load_traces
+from .core.variants import variant_rho_table
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,28 +49,11 @@ def prefill_decode_pearson(traces: TraceSet) -> np.ndarray:
 def variant_table(traces: TraceSet, layers: Sequence[int] | None, n_pairs: int, seed: int) -> dict:
     """Spearman(signature cosine, decode overlap) per variant, on the same sampled pairs.
 
-    Two decode overlaps: weighted Jaccard of raw counts, and of count profiles (sum 1).
+    In-sample (IDF fitted on all requests, pairs among all); two decode overlaps:
+    weighted Jaccard of raw counts, and of count profiles (sum 1). ``calibrate``
+    scores the variants on held-out requests instead (:mod:`.core.variants`).
     """
-    i, j = sample_pairs(len(traces), n_pairs, np.random.default_rng(seed))
-    targets = {
-        "counts": _rank_scores(pair_weighted_jaccard(traces.decode_counts, i, j)[None])[0],
-        "profile": _rank_scores(pair_weighted_jaccard(traces.decode_counts, i, j, profile=True)[None])[0],
-    }
-    table = {}
-    for variant in VARIANTS:
-        try:
-            values = variant_input(traces, variant)
-        except ValueError:
-            table[variant] = None  # gate sums not traced
-            continue
-        idf = SignatureBuilder(variant).fit(values).idf_ if variant == "idf" else None
-        keep = slice(None) if layers is None else list(layers)
-        dots, sq_i, sq_j = per_layer_pair_stats(values[:, keep], i, j, variant, None if idf is None else idf[keep])
-        denom = np.sqrt(sq_i.sum(axis=0) * sq_j.sum(axis=0))
-        cos = np.divide(dots.sum(axis=0), denom, out=np.zeros(len(i)), where=denom > 0)
-        scores = _rank_scores(cos[None])[0]
-        table[variant] = {name: float(scores @ t) for name, t in targets.items()}
-    return table
+    return variant_rho_table(traces, layers, n_pairs, seed, holdout=0.0)
 
 
 def unique_experts(decode_counts: np.ndarray, batch: np.ndarray) -> int:

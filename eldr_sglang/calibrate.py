@@ -1,10 +1,13 @@
 """Offline calibration: traces -> IDF, greedy layers, balanced K-means -> artifact.
 
     python -m eldr_sglang.calibrate --traces traces/ --clusters 16 --out artifact.json \\
-        [--variant idf] [--max-layers 8] [--min-gain 1e-3] [--seed 0] [--plot map.png]
+        [--variant auto] [--max-layers 8] [--min-gain 1e-3] [--seed 0] [--plot map.png]
 
-Prints the layer-selection curve, cluster sizes and per-label purity. Bad input
-ends with ``error: ...`` naming the file/field and exit status 2 (no traceback).
+Prints the layer-selection curve, the six signature variants' rho on held-out
+requests (``--variant auto``, the default, builds the artifact with the best
+count variant: the router receives counts only), cluster sizes and per-label
+purity. Bad input ends with ``error: ...`` naming the file/field and exit
+status 2 (no traceback).
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ import numpy as np
 from .core.artifact import DEFAULT_TAU, CalibrationArtifact, creation_info
 from .core.clustering import BalancedKMeans
 from .core.layer_selection import select_layers
-from .core.signature import COUNT_VARIANTS, SignatureBuilder
+from .core.signature import COUNT_VARIANTS, GATE_VARIANTS, SignatureBuilder
 from .core.traces import TraceSet, load_traces
+from .core.variants import best_count_variant, best_gate_over, holdout_size, score_variants
+
+VARIANT_HOLDOUT = 0.25  # share of requests held out when scoring the signature variants
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,8 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--traces", nargs="+", required=True, help="trace directories or shard files")
     ap.add_argument("--clusters", type=int, required=True, help="K, normally the number of decode servers")
     ap.add_argument("--out", required=True, help="artifact JSON to write")
-    ap.add_argument("--variant", choices=COUNT_VARIANTS, default="idf",
-                    help="signature variant (the router only receives counts, so gate variants are analyze-only)")
+    ap.add_argument("--variant", type=_variant_arg, default="auto", metavar="{auto," + ",".join(COUNT_VARIANTS) + "}",
+                    help="signature variant; auto (default): the count variant with the best held-out rho "
+                         "(layer selection then runs with idf). The router only receives counts, so gate "
+                         "variants are scored but cannot be chosen")
     ap.add_argument("--max-layers", type=int, default=None, help="cap on greedily selected layers")
     ap.add_argument("--min-gain", type=float, default=1e-3, help="stop when the best layer adds less rho")
     ap.add_argument("--layers", default=None, help="comma-separated layers: skip the greedy selection")
@@ -73,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
           f"top-{model.top_k}); labels: {sorted(traces.labels) or 'none'}")
     if args.clusters > len(traces):
         raise ValueError(f"--clusters {args.clusters} exceeds the {len(traces)} requests in --traces")
-    builder = SignatureBuilder(args.variant).fit(traces)
+    select_with = "idf" if args.variant == "auto" else args.variant
+    builder = SignatureBuilder(select_with).fit(traces)
 
     if args.layers is not None:
         layers = _parse_layers(args.layers, model.num_layers)
@@ -85,13 +94,17 @@ def run(args: argparse.Namespace) -> int:
                 bar.update(1)
                 bar.set_postfix(rho=f"{rho:.4f}")
 
-            sel = select_layers(traces.prefill_counts, traces.decode_counts, args.variant, builder.idf_,
+            sel = select_layers(traces.prefill_counts, traces.decode_counts, select_with, builder.idf_,
                                 n_pairs=args.pairs, max_layers=args.max_layers, min_gain=args.min_gain,
                                 random_state=args.seed, on_step=step,
                                 decode_profile=args.decode_overlap == "profile")
         if not sel.layers:
             raise ValueError(f"no layer raised the correlation by min_gain={args.min_gain} ({sel.stopped_because})")
         layers, curve, reason = sel.layers, sel.curve, sel.stopped_because
+    scores = score_variants(traces, layers, args.pairs, args.seed, VARIANT_HOLDOUT, args.decode_overlap)
+    variant = best_count_variant(scores) if args.variant == "auto" else args.variant
+    if variant != builder.variant:
+        builder = SignatureBuilder(variant).fit(traces)
     builder = builder.with_layers(layers)
     signatures = builder.transform(traces)
 
@@ -103,19 +116,31 @@ def run(args: argparse.Namespace) -> int:
     sizes = np.bincount(km.labels_, minlength=args.clusters)
     purity = {kind: label_purity(km.labels_, values) for kind, values in traces.labels.items()}
     artifact = CalibrationArtifact(
-        model=model, variant=args.variant, layers=layers, idf=builder.selected_idf(),
+        model=model, variant=variant, layers=layers, idf=builder.selected_idf(),
         centroids=km.cluster_centers_, tau=args.tau,
         created=creation_info(len(traces), seed=args.seed, n_pairs=args.pairs, decode_overlap=args.decode_overlap),
         extra={"layer_curve": [{"layers": l, "rho": round(r, 6)} for l, r in curve], "stopped_because": reason,
-               "cluster_sizes": sizes.tolist(), "purity": purity, "inertia": km.inertia_},
+               "cluster_sizes": sizes.tolist(), "purity": purity, "inertia": km.inertia_,
+               "variant_scores": {v: None if r is None else round(r, 6) for v, r in scores.items()},
+               "variant_choice": "auto" if args.variant == "auto" else "given", "variant_holdout": VARIANT_HOLDOUT},
     )
     artifact.save(args.out)
     print_summary(curve, reason, layers, sizes, purity, km.capacity_)
+    print_variant_table(scores, variant, args.variant == "auto", len(traces))
     if args.plot:
         plot_map(signatures, km, traces, args.plot, args.seed)
         print(f"map written to {args.plot}")
     print(f"artifact written to {args.out} ({artifact.checksum()[:19]}...) in {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def _variant_arg(text: str) -> str:
+    """argparse type of ``--variant``: auto or a count variant."""
+    if text == "auto" or text in COUNT_VARIANTS:
+        return text
+    why = " (the router receives counts only; gate variants are scored, never deployed)"
+    why = why if text in GATE_VARIANTS else ""
+    raise argparse.ArgumentTypeError(f"invalid choice {text!r}{why}; choose from auto, {', '.join(COUNT_VARIANTS)}")
 
 
 def _parse_layers(text: str, num_layers: int) -> list[int]:
@@ -153,6 +178,26 @@ def print_summary(curve, reason: str, layers: list[int], sizes: np.ndarray, puri
             continue
         print(f"label purity [{kind}]: {info['purity']:.3f}  (cluster -> majority: "
               + ", ".join(f"{k}:{v}" for k, v in info["majority"].items()) + ")")
+
+
+def print_variant_table(scores: dict, variant: str, auto: bool, n_requests: int) -> None:
+    """The six variants' held-out rho, the variant used and why."""
+    held = holdout_size(n_requests, VARIANT_HOLDOUT)
+    print(f"\nsignature variants, Spearman rho on pairs of the {held} held-out requests "
+          f"(weights fitted on the other {n_requests - held}; selected layers):")
+    for name, rho in scores.items():
+        mark = ""
+        if name == variant:
+            mark = "  <- used (best count variant)" if auto else "  <- used (--variant)"
+        elif name in GATE_VARIANTS:
+            mark = "  (gate sums: not available to the router)"
+        print(f"  {name:<11s} {'n/a' if rho is None else f'{rho:.4f}':>7s}{mark}")
+    best = best_count_variant(scores)
+    if not auto and scores[best] > scores[variant]:
+        print(f"  {best} {scores[best]:.3f} > {variant} {scores[variant]:.3f}; kept {variant} as given")
+    gate = best_gate_over(scores, variant)
+    if gate is not None:
+        print(f"  {gate} {scores[gate]:.3f} > {variant} {scores[variant]:.3f}, but the router receives counts only")
 
 
 def plot_map(signatures: np.ndarray, km: BalancedKMeans, traces: TraceSet, path: str, seed: int,
