@@ -233,7 +233,8 @@ class BalancedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
     ``balanced_assignment``. ``labels_`` is the balanced assignment of the
     training points; ``predict`` (new points) is the nearest centroid, unconstrained.
     ``init``: "k-means++" or a [K, D] array of starting centroids (a warm start from
-    an earlier fit; then one run, whatever ``n_init``).
+    an earlier fit; then one run, whatever ``n_init``). ``slack`` lets a cluster
+    hold up to ``ceil(N / K * (1 + slack))`` points (0: strictly balanced).
     """
 
     def __init__(
@@ -246,6 +247,7 @@ class BalancedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         assignment: str = "auto",
         seed_sample: int = 1024,
         init: str | np.ndarray = "k-means++",
+        slack: float = 0.0,
     ):
         self.n_clusters = n_clusters
         self.n_init = n_init
@@ -255,6 +257,7 @@ class BalancedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         self.assignment = assignment
         self.seed_sample = seed_sample
         self.init = init
+        self.slack = slack
 
     def fit(self, X: np.ndarray, y=None) -> "BalancedKMeans":
         with _single_blas_thread():
@@ -265,7 +268,7 @@ class BalancedKMeans(ClusterMixin, TransformerMixin, BaseEstimator):
         n, k = X.shape[0], self.n_clusters
         if not 1 <= k <= n:
             raise ValueError(f"n_clusters={k} must be in [1, {n}] (number of points)")
-        self.capacity_ = math.ceil(n / k)
+        self.capacity_ = math.ceil(n / k * (1.0 + self.slack))
         rng = np.random.default_rng(self.random_state)
         start = None
         if not isinstance(self.init, str):

@@ -45,6 +45,7 @@ from .traces import ModelSpec
 
 REASONS = ("initial", "periodic", "drift", "settle", "membership", "manual")
 ONLINE_TOOL = "eldr_sglang.router (online)"
+SLACK = 0.1  # membership refits: regions may exceed N / K by this share (fewer forced moves)
 
 
 @dataclass(frozen=True)
@@ -247,7 +248,7 @@ def warm_start(previous: np.ndarray, owners: Sequence[Sequence[int]], X: np.ndar
         if rows[s] is None:
             shared = [c for c in (owners[s] if s < len(owners) else []) if c < len(previous)]
             region = np.flatnonzero(np.isin(labels, shared)) if shared and labels is not None else []
-            if len(region) > 1:  # it shares a region: split that region (a member as its seed)
+            if len(region) > 1:  # it shares a region: split it (a member as its seed)
                 rows[s] = X[rng.choice(region)]
                 chosen.append(rows[s])
                 continue
@@ -296,12 +297,15 @@ def run_fit(job: FitJob) -> FitResult:
     """IDF + balanced K-means on the job's counts (warm-started when possible)."""
     t0 = time.perf_counter()
     st = job.settings
+    prev = job.previous
     builder = SignatureBuilder(st.variant).fit(job.counts)
+    if (job.reason == "membership" and prev is not None and prev.layers == list(job.layers)
+            and prev.variant == st.variant and prev.idf.shape == builder.idf_.shape):
+        builder.idf_ = prev.idf.copy()  # same traffic, other pool: only the regions move
     X = builder.transform(job.counts)
     k = min(job.num_servers, len(X))
     if k < 1:
         raise ValueError("an online fit needs at least one signature and one decode server")
-    prev = job.previous
     owners = job.owners if job.owners is not None else (
         [[i % prev.num_clusters] for i in range(k)] if prev is not None else None)
     warm = prev is not None and prev.layers == list(job.layers) and prev.dim == X.shape[1]
@@ -310,7 +314,8 @@ def run_fit(job: FitJob) -> FitResult:
     # warm start needs (measured: full iterations move 15-30% of signature space per
     # one-server step, one iteration 8-18%; benchmark/bench_online.py)
     iters = 1 if warm and job.reason == "membership" else st.max_iter
-    km = BalancedKMeans(k, n_init=st.n_init, max_iter=iters, random_state=st.seed, init=init).fit(X)
+    km = BalancedKMeans(k, n_init=st.n_init, max_iter=iters, random_state=st.seed, init=init,
+                        slack=SLACK if warm and job.reason == "membership" else 0.0).fit(X)
     centers, labels = km.cluster_centers_, km.labels_
     if warm:
         order = match_to_servers(prev.centroids, owners, centers)
