@@ -32,6 +32,7 @@ from aiohttp import web
 
 from eldr_sglang.core.policies import Decision, Policy, PolicyContext, PolicySpec, build_policy, policy_spec
 from eldr_sglang.router import upstream
+from eldr_sglang.router.ab import ABController, ShadowPolicy
 from eldr_sglang.router.admin import AdminApi
 from eldr_sglang.router.config import WORKER_KEEPALIVE_S, RouterConfig
 from eldr_sglang.router.dispatch import Dispatcher
@@ -109,13 +110,23 @@ class Router:
         self.board = SignatureBoard(ttl=c.signature_ttl, max_buffered=c.signature_buffer,
                                     max_bytes=int(c.signature_buffer_mb * (1 << 20)))
         self.online = OnlineController(self) if c.online else None
+        self.shadow = ShadowPolicy(self, c.shadow_policy) if c.shadow_policy else None
+        self.ab: Optional[ABController] = None
+        if c.ab_policies or c.ab_record:
+            names = [p.strip() for p in (c.ab_policies or c.policy).split(",") if p.strip()]
+            arms = [self._routing(policy_spec(p), self.routing.encoder, self.routing.calibration_path)
+                    for p in names]
+            self.ab = ABController(self, arms, c.ab_slice, c.ab_record,
+                                   [u.strip() for u in (c.engine_metrics or "").split(",") if u.strip()],
+                                   c.ab_label)
+            self.routing = arms[0]
         self.watcher = (CalibrationWatcher(self, c.calibration, c.calibration_watch)
                         if c.calibration_watch else None)
         self.intake = SignatureIntake(self.board, self.metrics,
                                       int(min(c.signature_max_kb * 1024, c.max_body_mb * (1 << 20))),
                                       encoder=lambda: self.routing.encoder,
                                       buffering=lambda: self.routing.policy.needs_signature,
-                                      observer=self.online.observe if self.online else None)
+                                      observer=self._observe if self.online or self.shadow else None)
         self.wait_limit = WaitLimit(c.signature_timeout, c.signature_timeout_min,
                                     c.signature_timeout_factor)
         self.metrics.signature_wait_limit.set(self.wait_limit.value)
@@ -132,6 +143,13 @@ class Router:
         self.last_layers: Optional[list[int]] = None  # layers of the last signature message
         self.draining = False
         self._bg: set[asyncio.Task] = set()
+
+    def _observe(self, msg: dict) -> None:
+        """Every well-formed signature message: online calibration and shadow decisions."""
+        if self.online is not None:
+            self.online.observe(msg)
+        if self.shadow is not None:
+            self.shadow.on_message(msg)
 
     # ------------------------------------------------------------ routing state
     def _routing(self, spec: PolicySpec, encoder: Optional[SignatureEncoder],
@@ -166,6 +184,14 @@ class Router:
                     raise ValueError(f"domain map: unknown decode server {s!r} for {label!r}")
             out[str(label)] = idx
         return out
+
+    def build_routing(self, spec: PolicySpec, encoder: Optional[SignatureEncoder]) -> Routing:
+        """A routing for ``spec`` on the live pool (shadow policies, A/B arms)."""
+        return self._routing(spec, encoder, self.routing.calibration_path)
+
+    def set_routing(self, routing: Routing) -> None:
+        """Swap the live routing (A/B slices): requests in flight keep theirs."""
+        self.routing = routing
 
     @property
     def policy(self) -> Policy:
@@ -217,6 +243,10 @@ class Router:
             warnings.append(f"prefill plugin last sent layers {self.last_layers}, artifact has "
                             f"{enc.layers}: signatures will fall back until the plugin matches")
         self.routing = new  # one step: requests see the old pair or the new one
+        if self.ab is not None:  # every arm moves to the new artifact
+            self.ab.routings = [self._routing(a.spec, enc, path) for a in self.ab.routings]
+            if self.ab.current is not None:
+                self.routing = self.ab.routings[self.ab.current.index % len(self.ab.routings)]
         if origin == "file":
             self.metrics.reloads.labels("ok").inc()
         logger.info("calibration reloaded from %s: K=%d dim=%d tau=%s%s", path, k,
@@ -268,7 +298,8 @@ class Router:
         return None
 
     def record(self, rids: list[str], rooms: list[int], label: Optional[str],
-               waiters: list[asyncio.Future], d: Worker, dec: Decision, loads: list[int]) -> None:
+               waiters: list[asyncio.Future], d: Worker, dec: Decision, loads: list[int],
+               shadow: Optional[dict] = None) -> None:
         """Keep the decision for ``GET /eldr/decisions`` (rendered when read): O(K + N)
         numbers (similarities, loads) and the signature messages, whose counts are kept
         (a reference, no copy) up to ``DECISION_COUNTS_MAX`` bytes each, so the log holds at
@@ -277,17 +308,19 @@ class Router:
                     {k: v for k, v in m.items() if k != "counts"}
                     for m in (w.result() for w in waiters
                               if w.done() and not w.cancelled() and w.exception() is None)]
-        self.decisions.append((time.time(), rids, rooms, label, self.routing.name, d.url,
-                               self.pool.decodes.copy(), loads, messages, dec))
+        self.decisions.append((time.time(), rids, rooms, label, dec.policy, d.url,
+                               self.pool.decodes.copy(), loads, messages, dec, shadow))
 
     @staticmethod
     def render_decision(rec: tuple) -> dict:
-        when, rids, rooms, label, policy, url, decodes, load_list, messages, dec = rec
+        when, rids, rooms, label, policy, url, decodes, load_list, messages, dec, shadow = rec
         loads = [(x.url, n) for x, n in zip(decodes, load_list)]
         messages = [{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in m.items()}
                     for m in messages]
         out = {"time": when, "rids": rids, "rooms": rooms, "label": label, "policy": policy,
                "decode": url, "loads": dict(loads), "messages": messages, "reason": dec.reason}
+        if shadow is not None:
+            out["shadow"] = dict(shadow)
         if dec.band is not None:
             out["band"] = [loads[i][0] for i in dec.band if i < len(loads)]
             out["best_similarity"] = dec.best_similarity
@@ -326,6 +359,8 @@ class Router:
             "loads": pool.decode_loads(),
             "policy_state": rt.policy.describe(),
             "calibration": self.calibration_info(),
+            "ab": self.ab.describe() if self.ab else None,
+            "shadow_policy": self.shadow.spec.name if self.shadow else None,
             "counters": self.metrics.counters(),
             "signature_buffer": {"buffered": len(self.board.buffer),
                                  "buffered_bytes": self.board.buffered_bytes,
@@ -449,6 +484,8 @@ class Router:
         self.spawn(self._sweep_board())
         if self.watcher is not None:
             self.spawn(self.watcher.run())
+        if self.ab is not None:
+            self.spawn(self.ab.run())
 
     async def _sweep_board(self) -> None:
         """Expire unclaimed signature messages even when no traffic comes in."""

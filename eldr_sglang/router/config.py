@@ -39,6 +39,20 @@ class RouterConfig:
     label_field: Optional[str] = _opt("body field holding the request label (removed before forwarding)")
     label_header: Optional[str] = _opt("HTTP header holding the request label")
     seed: Optional[int] = _opt("seed of the policies' random tie-breaks", 0)
+    # A/B and shadow (eldr_sglang.router.ab)
+    ab_policies: Optional[str] = _opt(
+        "time-sliced A/B: comma-separated policies the router alternates, one per slice "
+        "(e.g. eldr,jsq; --policy is then unused)")
+    ab_slice: float = _opt("seconds per A/B slice (also the record period of --ab-record)", 600.0)
+    ab_record: Optional[str] = _opt(
+        "append one JSON line per slice here (arm, requests, latency, and decode steps, batch "
+        "and distinct experts from --engine-metrics); python -m eldr_sglang.ab gives the verdict")
+    ab_label: Optional[str] = _opt("arm name in --ab-record when one policy runs (pool-split A/B)")
+    engine_metrics: Optional[str] = _opt(
+        "comma-separated engine plugin metrics URLs (--eldr-metrics-port endpoints), in "
+        "--decode order, read at slice boundaries")
+    shadow_policy: Optional[str] = _opt(
+        "route by --policy, and count (and log per decision) what this policy would have chosen")
     # online calibration (eldr_sglang.core.online)
     online: bool = _opt(
         "learn the calibration from live signatures: route by load until "
@@ -128,6 +142,14 @@ class RouterConfig:
         non_negative = ("signature_timeout_min", "signature_timeout_factor", "health_interval",
                         "health_cooldown", "load_interval", "max_inflight", "decisions_kept",
                         "drain_timeout", "calibration_watch")
+        if not self.ab_slice > 0:
+            raise ValueError(f"ab_slice: expected a number > 0, got {self.ab_slice!r}")
+        if self.ab_policies is not None:
+            names = [p.strip() for p in self.ab_policies.split(",") if p.strip()]
+            if len(names) < 2:
+                raise ValueError("ab_policies: give at least two policies, e.g. eldr,jsq")
+            if self.online:
+                raise ValueError("ab_policies: not with --online (a refit mid-slice would mix arms)")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: expected a number > 0, got {getattr(self, name)!r}")

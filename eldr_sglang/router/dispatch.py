@@ -201,14 +201,20 @@ class Dispatcher:
         self.active += 1
         self.idle.clear()
         r.metrics.client_requests.set(self.active)
+        routing, status = r.routing, 0  # the A/B arm is the policy a request arrived under
         try:
-            return await self._handle(request, endpoint, t0)
+            resp = await self._handle(request, endpoint, t0)
+            status = resp.status
+            return resp
         finally:
             self.active -= 1
             if self.active == 0:
                 self.idle.set()
             r.metrics.client_requests.set(self.active)
-            r.metrics.deferred(r.metrics.request_duration, endpoint).observe(time.perf_counter() - t0)
+            elapsed = time.perf_counter() - t0
+            r.metrics.deferred(r.metrics.request_duration, endpoint).observe(elapsed)
+            if r.ab is not None:
+                r.ab.request_done(routing, elapsed, status)
 
     def _bad(self, message: str, status: int = 400) -> web.Response:
         self.r.metrics.errors.labels("bad_request" if status == 400 else "too_large").inc()
@@ -235,16 +241,17 @@ class Dispatcher:
         stream = bool(body.get("stream", False))
         routing = r.routing
         needs_signature = routing.policy.needs_signature
-        # an --online router learns from every signature, even while it routes by load
-        set_return_address(body, endpoint, r.return_address
-                           if needs_signature or r.online is not None else None)
+        # an --online router learns from every signature, even while it routes by load;
+        # a shadow policy is evaluated on it
+        watch = needs_signature or r.online is not None or r.shadow is not None
+        set_return_address(body, endpoint, r.return_address if watch else None)
 
         rooms = [random.getrandbits(63) for _ in range(n or 1)]
         body["bootstrap_room"] = rooms if n else rooms[0]
         fl = _Flight(body, n)
         fl.set_prefill(r.pool.pick_prefill())
 
-        waiters = [r.board.expect(room) for room in rooms] if needs_signature else []
+        waiters = [r.board.expect(room) for room in rooms] if needs_signature or r.shadow else []
         prefill_task = r.spawn(self._prefill(fl, endpoint))
         d: Optional[Worker] = None
         try:
@@ -255,8 +262,9 @@ class Dispatcher:
                     return self._prefill_error(failed)
             tried: set[int] = set()
             while True:
-                d, dec, loads = self.decide(route, tried, rids)
-                r.record(rids, rooms, label, waiters, d, dec, loads)
+                d, dec, loads = self.decide(route, tried, rids, routing)
+                shadow = self._shadow(route, waiters, rooms[0], loads, dec.index) if r.shadow else None
+                r.record(rids, rooms, label, waiters, d, dec, loads, shadow)
                 ticket = r.pool.enter(d)
                 admitted = routing.policy.admit(dec.index, route)  # until the request ends
                 try:
@@ -292,12 +300,25 @@ class Dispatcher:
                 r.board.discard(room)
 
     # ------------------------------------------------------------ decision
-    def decide(self, req: RouteRequest, exclude: set[int] = frozenset(),
-               rids: Sequence[str] = ()) -> tuple[Worker, Decision, list[int]]:
-        """Pick the decode server with ``policy.explain`` (same pick as ``choose``);
-        (server, decision, the loads it saw)."""
+    def _shadow(self, route: RouteRequest, waiters: list[asyncio.Future], room: int,
+                loads: list[int], chosen: int) -> dict:
+        """The shadow policy's pick for this request: now if the route has its signature,
+        else when the signature arrives (filled into the returned dict)."""
         r = self.r
-        routing = r.routing
+        if route.signature is not None or not waiters:
+            return r.shadow.evaluate(route, loads, chosen)
+        if _delivered(waiters[0]):  # it came before the decision
+            return r.shadow.evaluate_message(waiters[0].result(), loads, chosen)
+        # it comes later, maybe after the request ended: the intake hands it over
+        return r.shadow.expect(room, loads, chosen)
+
+    def decide(self, req: RouteRequest, exclude: set[int] = frozenset(),
+               rids: Sequence[str] = (), routing: Any = None) -> tuple[Worker, Decision, list[int]]:
+        """Pick the decode server with ``policy.explain`` (same pick as ``choose``);
+        (server, decision, the loads it saw). ``routing``: the one the request arrived
+        under (default: the live one)."""
+        r = self.r
+        routing = routing or r.routing
         pool = r.pool
         decodes = pool.decodes
         loads = pool.decode_loads()

@@ -140,6 +140,13 @@ class RouterMetrics:
                            ["state"], registry=r)
         self.reloads = Counter("eldr_router_calibration_reloads", "Calibration reloads",
                                ["outcome"], registry=r)
+        self.shadow = Counter("eldr_router_shadow_decisions", "Shadow policy picks: same or "
+                              "different server than the routing policy, no_signature, error",
+                              ["policy", "outcome"], registry=r)
+        self.shadow_gap = Histogram("eldr_router_shadow_similarity_gap",
+                                    "Shadow eldr: best server similarity minus that of the server "
+                                    "actually chosen", buckets=(0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3,
+                                                                 0.5, 0.75, 1.0, 2.0), registry=r)
         # online calibration (``--online``): the live artifact's lifecycle
         self.calibration_age = Gauge("eldr_router_calibration_age_seconds",
                                      "Seconds since the live calibration was fitted "

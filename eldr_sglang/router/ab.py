@@ -1,0 +1,248 @@
+"""A/B on live traffic: time-sliced policy alternation, per-slice records, shadow decisions.
+
+Distinct experts per decode step is measured inside each decode server, so a
+per-request split cannot attribute it. What can:
+
+* **time-sliced** (``--ab-policies eldr,jsq --ab-slice 600``): the router routes
+  every request of a slice with one policy, alternating; a request keeps the
+  policy of the slice it arrived in.
+* **pool-split**: two routers, one per decode pool, each with its own policy and
+  ``--ab-record`` (slices of one policy); the verdict CLI reads both files.
+* **shadow** (``--shadow-policy eldr``): routing by the configured policy, and per
+  request what the shadow policy would have chosen (agreement counted, kept in
+  the decision log), from the same signature and loads. Nothing is sent by it.
+
+``--ab-record FILE`` appends one JSON line per slice: the arm, router-side
+requests, errors, throughput and latency, and, from each decode server's engine
+metrics (``--engine-metrics``: the plugin's ``--eldr-metrics-port`` endpoints in
+decode order), the slice's decode steps, tokens and distinct experts, plus
+SGLang's own TPOT/TTFT histograms when the decode servers run with
+``--enable-metrics``. ``python -m eldr_sglang.ab RECORDS`` turns them into a verdict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import aiohttp
+import numpy as np
+
+from eldr_sglang.core.policies import RouteRequest, policy_spec
+
+if TYPE_CHECKING:
+    from eldr_sglang.router.app import Router, Routing
+
+logger = logging.getLogger("eldr_sglang.router")
+
+ENGINE_COUNTERS = ("eldr_decode_unique_experts_total", "eldr_decode_steps_total", "eldr_decode_tokens_total")
+SGLANG_HISTOGRAMS = ("sglang:time_per_output_token_seconds", "sglang:time_to_first_token_seconds")
+
+
+def parse_prometheus(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Sum of the samples of each name in ``names`` (labels ignored)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            try:
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[-1])
+            except ValueError:
+                continue
+    return out
+
+
+@dataclass
+class SliceStats:
+    arm: str
+    index: int
+    start: float
+    requests: int = 0
+    errors: int = 0
+    durations: list[float] = field(default_factory=list)
+    engines: dict[str, dict[str, float]] = field(default_factory=dict)  # url -> counters at start
+
+
+class ABController:
+    """Alternates routings on a schedule and writes one record per slice."""
+
+    def __init__(self, router: "Router", routings: list["Routing"], slice_s: float,
+                 record: Optional[str], engine_metrics: list[str], label: Optional[str] = None) -> None:
+        self.r, self.routings, self.slice_s = router, routings, slice_s
+        self.record, self.label = record, label
+        self.engine_metrics = engine_metrics
+        self.current: Optional[SliceStats] = None
+        self.count = 0
+        self.written: list[dict] = []
+
+    def arm_name(self, routing: "Routing") -> str:
+        return (self.label or routing.name) if len(self.routings) == 1 else routing.name
+
+    def owns(self, routing: "Routing") -> bool:
+        return self.current is not None and routing is self.routings[self.current.index % len(self.routings)]
+
+    def request_done(self, routing: "Routing", seconds: float, status: int) -> None:
+        """A client request that started with ``routing`` ended (any way)."""
+        cur = self.current
+        if cur is None or not self.owns(routing):
+            return  # it arrived in an earlier slice
+        cur.requests += 1
+        cur.errors += status >= 400 or status == 0
+        cur.durations.append(seconds)
+
+    async def _engines(self) -> dict[str, dict[str, float]]:
+        """Engine counters now, per decode server (plugin endpoint and SGLang /metrics)."""
+        session = self.r.session
+        out: dict[str, dict[str, float]] = {}
+
+        async def get(url: str, names: tuple[str, ...]) -> dict[str, float]:
+            try:
+                async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                    return parse_prometheus(await resp.text(), names) if resp.status == 200 else {}
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                return {}
+
+        hist = tuple(f"{h}_{s}" for h in SGLANG_HISTOGRAMS for s in ("sum", "count"))
+        decodes = [d.url for d in self.r.pool.decodes]
+        jobs = [get(u, ENGINE_COUNTERS) for u in self.engine_metrics]
+        jobs += [get(u + "/metrics", hist) for u in decodes]
+        res = await asyncio.gather(*jobs)
+        for i, url in enumerate(decodes):
+            out[url] = {**(res[i] if i < len(self.engine_metrics) else {}), **res[len(self.engine_metrics) + i]}
+        return out
+
+    def _start(self, index: int, engines: dict) -> None:
+        routing = self.routings[index % len(self.routings)]
+        self.r.set_routing(routing)
+        self.current = SliceStats(self.arm_name(routing), index, time.time(), engines=engines)
+        logger.info("A/B slice %d: policy %s for %.0f s", index, routing.name, self.slice_s)
+
+    def _close(self, engines: dict) -> dict:
+        cur = self.current
+        end = time.time()
+        d = np.asarray(cur.durations) if cur.durations else np.zeros(0)
+        rec: dict[str, Any] = {
+            "slice": cur.index, "arm": cur.arm, "start": cur.start, "end": end,
+            "requests": cur.requests, "errors": cur.errors,
+            "throughput_rps": cur.requests / max(end - cur.start, 1e-9),
+            "latency_mean_s": float(d.mean()) if d.size else None,
+            "latency_p50_s": float(np.percentile(d, 50)) if d.size else None,
+            "latency_p99_s": float(np.percentile(d, 99)) if d.size else None,
+            "decode": {},
+        }
+        tot: dict[str, float] = {}
+        for url, now in engines.items():
+            before = cur.engines.get(url, {})
+            delta = {k: now[k] - before[k] for k in now if k in before}
+            rec["decode"][url] = delta
+            for k, v in delta.items():
+                tot[k] = tot.get(k, 0.0) + v
+        steps = tot.get("eldr_decode_steps_total", 0.0)
+        rec["decode_steps"] = steps
+        rec["unique_per_step"] = tot["eldr_decode_unique_experts_total"] / steps if steps else None
+        rec["mean_batch"] = tot.get("eldr_decode_tokens_total", 0.0) / steps if steps else None
+        for key, hname in (("tpot_mean_s", SGLANG_HISTOGRAMS[0]), ("ttft_mean_s", SGLANG_HISTOGRAMS[1])):
+            n = tot.get(f"{hname}_count", 0.0)
+            rec[key] = tot[f"{hname}_sum"] / n if n else None
+        return rec
+
+    def _write(self, rec: dict) -> None:
+        self.written.append(rec)
+        self.r.metrics.event("ab_slices")
+        if self.record:
+            with open(self.record, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    async def run(self) -> None:
+        """Slice after slice until cancelled (the last, partial slice is written too)."""
+        self._start(0, await self._engines())
+        index = 0
+        try:
+            while True:
+                await asyncio.sleep(self.slice_s)
+                engines = await self._engines()
+                self._write(self._close(engines))
+                index += 1
+                self._start(index, engines)
+        except asyncio.CancelledError:
+            if self.current is not None and self.current.requests:
+                self._write(self._close(await asyncio.shield(self._engines())))
+            raise
+
+    def describe(self) -> dict:
+        cur = self.current
+        return {"arms": [r.name for r in self.routings], "slice_s": self.slice_s, "record": self.record,
+                "current": None if cur is None else {"slice": cur.index, "arm": cur.arm,
+                                                     "requests": cur.requests},
+                "slices_written": len(self.written)}
+
+
+class ShadowPolicy:
+    """What another policy would have picked, from the same request and loads."""
+
+    PENDING_MAX = 4096  # requests whose signature has not come yet (oldest dropped)
+
+    def __init__(self, router: "Router", name: str) -> None:
+        self.r, self.spec = router, policy_spec(name)
+        self._built_for: Any = None
+        self.policy = None
+        self.pending: "OrderedDict[int, tuple[list[int], int, dict]]" = OrderedDict()
+
+    def expect(self, room: int, loads: list[int], chosen: int) -> dict:
+        """Evaluate when the signature of ``room`` arrives (:meth:`on_message`); the
+        returned dict (kept in the decision log) is filled in then."""
+        out = {"policy": self.spec.name, "outcome": "pending"}
+        self.pending[room] = (list(loads), chosen, out)
+        while len(self.pending) > self.PENDING_MAX:
+            _, (_, _, lost) = self.pending.popitem(last=False)
+            lost["outcome"] = "no_signature"
+            self.r.metrics.shadow.labels(self.spec.name, "no_signature").inc()
+        return out
+
+    def on_message(self, msg: dict) -> None:
+        """Every accepted signature message (intake)."""
+        entry = self.pending.pop(msg["bootstrap_room"], None)
+        if entry is not None:
+            loads, chosen, out = entry
+            out.update(self.evaluate_message(msg, loads, chosen))
+
+    def evaluate_message(self, msg: dict, loads: list[int], chosen: int) -> dict:
+        enc = self.r.routing.encoder
+        try:
+            sig = enc.encode(msg) if enc is not None else None
+        except ValueError:
+            sig = None
+        return self.evaluate(RouteRequest(signature=sig), loads, chosen)
+
+    def _policy(self):
+        enc = self.r.routing.encoder
+        if self.policy is None or self._built_for is not enc:
+            self.policy = self.r.build_routing(self.spec, enc).policy
+            self._built_for = enc
+        return self.policy
+
+    def evaluate(self, route: RouteRequest, loads: list[int], chosen: int) -> dict:
+        m = self.r.metrics
+        if route.signature is None and self.spec.needs_artifact:
+            m.shadow.labels(self.spec.name, "no_signature").inc()
+            return {"policy": self.spec.name, "outcome": "no_signature"}
+        try:
+            dec = self._policy().explain(route, loads)
+        except ValueError as e:  # e.g. no artifact yet
+            m.shadow.labels(self.spec.name, "error").inc()
+            return {"policy": self.spec.name, "outcome": "error", "error": str(e)}
+        outcome = "same" if dec.index == chosen else "different"
+        m.shadow.labels(self.spec.name, outcome).inc()
+        out = {"policy": self.spec.name, "outcome": outcome, "decode": self.r.pool.decodes[dec.index].url}
+        if dec.server_similarities is not None:
+            gap = float(dec.server_similarities.max() - dec.server_similarities[chosen])
+            out["similarity_gap"] = gap
+            m.shadow_gap.observe(gap)
+        return out
