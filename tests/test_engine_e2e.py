@@ -211,3 +211,37 @@ def test_router_started_without_artifact_converges_and_routes_by_signature(eldr_
         assert all(d["policy"] == "eldr" and d["reason"] == "band" for d in later), later
     finally:
         router.stop()
+
+
+def test_time_sliced_ab_on_real_servers_gives_a_verdict(pd_cluster, test_artifact, tmp_path):
+    """``--ab-policies eldr,round_robin`` in front of real SGLang servers: slices
+    alternate, each record carries the decode servers' steps, batch and distinct
+    experts from their plugin metrics, and ``python -m eldr_sglang.ab`` turns the
+    records into a verdict and a plot."""
+    from conftest import LOG_DIR
+    from eldr_sglang import local_cluster as lc
+
+    record = tmp_path / "ab.jsonl"
+    engines = ",".join(f"http://127.0.0.1:{spec.eldr_metrics_port}/metrics" for _, spec in pd_cluster.decodes)
+    router = lc.start_eldr_router_ready(
+        pd_cluster, LOG_DIR, policy="eldr", artifact=test_artifact,
+        extra_args=["--ab-policies", "eldr,round_robin", "--ab-slice", "5", "--ab-record", str(record),
+                    "--engine-metrics", engines, "--signature-port", "0"])
+    try:
+        deadline, i = time.monotonic() + 240, 0
+        while not record.exists() or len(record.read_text().splitlines()) < 4:
+            assert time.monotonic() < deadline, "fewer than 4 A/B slices written"
+            body = {"text": PROMPTS[i % len(PROMPTS)] + f" #{i}",
+                    "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+            http_json(router.url + "/generate", body, timeout=120)
+            i += 1
+    finally:
+        router.stop()
+    recs = [json.loads(line) for line in record.read_text().splitlines()]
+    assert {r["arm"] for r in recs} == {"eldr", "round_robin"}
+    busy = [r for r in recs if r["requests"]]
+    assert busy and all(r["decode_steps"] > 0 and r["unique_per_step"] > 0 for r in busy)
+    out = subprocess.run([sys.executable, "-m", "eldr_sglang.ab", str(record), "--baseline", "round_robin",
+                          "--plot", str(tmp_path / "ab.png")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "eldr vs round_robin" in out.stdout and (tmp_path / "ab.png").exists()
