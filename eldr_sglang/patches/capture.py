@@ -210,6 +210,8 @@ def select_experts_after(result, *args, layer_id=None, **kwargs):
                 _add_gate_sums(state, fb, layer_id, args, kwargs)
         elif mode.is_decode():
             n = fb.batch_size
+            if state.table is not None:  # generated tokens too: a later turn may hit them in the cache
+                state.table.write(fb.out_cache_loc[:n], layer_id, topk_ids[:n])
             ids = topk_ids[:n].long()
             state.decode.active[layer_id].index_fill_(0, ids.flatten(), True)
             if state.decode_acc is not None:
