@@ -30,11 +30,17 @@ TARGETS = {
     "output_streamer": "sglang.srt.managers.scheduler.Scheduler.get_output_streamer_class",
 }
 
+# read (not hooked): physical -> logical expert ids under EPLB / redundant experts
+READS = {
+    "expert_location": "sglang.srt.eplb.expert_location.get_global_expert_location_metadata",
+}
+
 
 def missing_targets() -> list[str]:
-    """Hook targets the installed SGLang lacks (renamed or moved), as dotted paths."""
+    """Hook targets and read objects the installed SGLang lacks (renamed or moved),
+    as dotted paths."""
     missing = []
-    for path in TARGETS.values():
+    for path in (*TARGETS.values(), *READS.values()):
         parts = path.split(".")
         for cut in range(len(parts) - 1, 0, -1):  # longest importable module prefix
             try:

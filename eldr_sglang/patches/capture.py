@@ -201,7 +201,7 @@ def select_experts_after(result, *args, layer_id=None, **kwargs):
     if fb is None or layer_id is None or not state.ready:
         return result
     try:
-        topk_ids = result.topk_ids
+        topk_ids = logical_ids(result.topk_ids, layer_id, kwargs)
         mode = fb.forward_mode
         if mode.is_extend():
             if state.table is not None:
@@ -222,6 +222,23 @@ def select_experts_after(result, *args, layer_id=None, **kwargs):
     except Exception as exc:
         state.fail_once("select_experts capture", exc)
     return result
+
+
+def logical_ids(topk_ids: torch.Tensor, layer_id: int, kwargs: dict) -> torch.Tensor:
+    """Expert ids as logical experts. With an expert-location dispatch (EPLB,
+    redundant experts) SGLang's ``select_experts`` returns physical slots; they are
+    mapped back through ``physical_to_logical_map`` of the live expert-location
+    metadata (read every call: a rebalance replaces it). Negative ids (padding) stay."""
+    if kwargs.get("expert_location_dispatch_info") is None:
+        return topk_ids
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+    meta = get_global_expert_location_metadata()
+    if meta is None:
+        return topk_ids
+    p2l = meta.physical_to_logical_map[layer_id].to(topk_ids.device)
+    ids = topk_ids.long()
+    return torch.where(ids >= 0, p2l[ids.clamp(min=0)], ids).to(topk_ids.dtype)
 
 
 def _add_gate_sums(state: CaptureState, fb, layer_id: int, args, kwargs) -> None:
