@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+logger = logging.getLogger("eldr_sglang")
 ENV_KEY = "ELDR_ENGINE_CONFIG"
 
 
@@ -211,6 +213,53 @@ def check_model_dims(config: EngineConfig, num_layers, num_experts, top_k) -> No
         raise FlagError(f"--eldr-layers: layer {max(config.layers)} does not exist (model has {num_layers} layers)")
 
 
+GRAPH_FLAGS = {"prefill": "--disable-prefill-cuda-graph", "decode": "--disable-decode-cuda-graph"}
+
+
+def graph_safe_argv(config: EngineConfig, argv: list[str], gpu: bool | None = None) -> list[str]:
+    """SGLang's argv with the CUDA graphs the capture cannot see turned off.
+
+    The expert ids are taken in Python hooks around ``ModelRunner.forward`` and
+    ``select_experts``; SGLang 0.5.23 captures prefill and decode into CUDA graphs on
+    GPUs by default, and graph replays bypass those hooks (signatures empty or stale,
+    the decode metric 0). So on a GPU server where ELDR captures, the phases it needs
+    run eagerly: prefill when the slot table is used (signatures, traces), decode when
+    decode statistics are served (``--eldr-metrics-port``) or traced. Each change is
+    logged; nothing changes on CPU or when the operator already chose a backend for
+    that phase. The cost (eager vs graph step time) is not measured here (no GPU)."""
+    if gpu is None:
+        import torch
+
+        device = _argv_value(argv, "--device")
+        gpu = device in ("cuda", "hip") or (device is None and torch.cuda.is_available())
+    if not gpu or not config.active:
+        return argv
+    needs = {"prefill": bool(config.calibration or config.layers or config.trace_dir),
+             "decode": bool(config.metrics_port or config.trace_dir)}
+    out = list(argv)
+    for phase, flag in GRAPH_FLAGS.items():
+        chosen = any(a == flag or a.startswith(f"--cuda-graph-backend-{phase}") for a in argv) \
+            or "--cuda-graph-config" in argv or "--disable-cuda-graph" in argv
+        if needs[phase] and not chosen:
+            out.append(flag)
+            logger.warning("eldr-sglang: %s CUDA graph turned off on this server (%s): the expert "
+                           "capture runs in Python hooks that graph replays bypass", phase, flag)
+        elif needs[phase] and _argv_value(argv, f"--cuda-graph-backend-{phase}") != "disabled" \
+                and flag not in argv and "--disable-cuda-graph" not in argv:
+            logger.warning("eldr-sglang: the %s CUDA graph backend was set explicitly and stays on: "
+                           "ELDR's %s capture is blind under graph replays", phase, phase)
+    return out
+
+
+def _argv_value(argv: list[str], flag: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def prepare_server_args_around(original, argv, *args, **kwargs):
     """AROUND hook for ``sglang.srt.server_args.prepare_server_args``."""
     ours, theirs = split_argv(list(argv))
@@ -224,7 +273,7 @@ def prepare_server_args_around(original, argv, *args, **kwargs):
             from eldr_sglang.patches import check_sglang
 
             check_sglang()
-        server_args = original(theirs, *args, **kwargs)
+        server_args = original(graph_safe_argv(config, theirs), *args, **kwargs)
         check_model(config, server_args.model_path)
         mode = str(getattr(server_args, "disaggregation_mode", "null"))
         if config.publish and mode != "prefill":
