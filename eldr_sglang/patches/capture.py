@@ -112,6 +112,20 @@ def _tp_rank() -> int:
         return 0
 
 
+def _leads_its_requests() -> bool:
+    """Whether this process's scheduler owns requests to publish: the first rank of
+    its attention group (``attn_tp_rank == attn_cp_rank == 0``). Without attention
+    data parallelism that is TP rank 0 alone; with it, one rank per attention-DP
+    group, each publishing its own requests."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        p = get_parallel()
+        return int(getattr(p, "attn_tp_rank", p.tp_rank)) == 0 and int(getattr(p, "attn_cp_rank", 0)) == 0
+    except Exception:
+        return True
+
+
 def _init(state: CaptureState, model_runner) -> None:
     num_layers, num_experts, top_k = model_dims(model_runner)
     try:
@@ -133,7 +147,7 @@ def _init(state: CaptureState, model_runner) -> None:
                     layers, state.table.bytes_per_token, num_slots)
     state.decode.unique_total = torch.zeros((), dtype=torch.int64, device=device)
     state.decode.active = torch.zeros((num_layers, num_experts), dtype=torch.bool, device=device)
-    if _tp_rank() != 0:  # with TP/EP > 1, rank 0 alone publishes and writes traces
+    if not _leads_its_requests():  # TP/EP followers: their leader publishes and writes traces
         state.ready = True
         return
     if state.config.publish and state.table is not None:
