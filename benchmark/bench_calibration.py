@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import argparse
 import resource
-import sys
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eldr_sglang.core import (  # noqa: E402
+from eldr_sglang.core import (
     BalancedKMeans,
     SignatureBuilder,
     make_synthetic_traces,

@@ -48,7 +48,7 @@ def micro(tokens: int, layers: int, n_sel: int, experts: int, top_k: int) -> Non
 
 def servers(model: str, prompts: int) -> None:
     """Both servers up at once, requests alternated, so drift hits both alike."""
-    from eldr_sglang import local_cluster as lc
+    from eldr_sglang.testing import local_cluster as lc
 
     texts = [f"Request {i}: " + "the quick brown fox jumps over the lazy dog " * 12 for i in range(prompts)]
     variants = {"stock": [], "eldr": ["--eldr-layers", "all", "--eldr-metrics-port", str(lc.free_port())]}

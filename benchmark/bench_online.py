@@ -44,7 +44,6 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
 
 from eldr_sglang.core.layer_selection import spread_layers  # noqa: E402
 from eldr_sglang.core.online import OnlineCalibrator, OnlineSettings, run_fit  # noqa: E402

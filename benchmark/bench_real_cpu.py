@@ -23,10 +23,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from eldr_sglang import local_cluster as lc  # noqa: E402
 from eldr_sglang.core.policies import policy_spec  # noqa: E402
 from eldr_sglang.demo import DEFAULT_MODEL, DEFAULT_WORKLOAD, calibration_artifact, decode_counters  # noqa: E402
+from eldr_sglang.testing import local_cluster as lc  # noqa: E402
 
 POLICIES = ["round_robin", "random", "jsq", "p2c", "eldr"]
 FIGURES = ("completed", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "output_throughput")

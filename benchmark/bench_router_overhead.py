@@ -27,14 +27,11 @@ import numpy as np
 import orjson
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from stub_worker import StubWorker  # noqa: E402
 
 from eldr_sglang.core.policies import RouteRequest, make_policy, policy_spec  # noqa: E402
 from eldr_sglang.router.app import Router, start_router  # noqa: E402
 from eldr_sglang.router.signatures import SignatureEncoder, parse_message  # noqa: E402
+from eldr_sglang.testing.stub_worker import StubWorker  # noqa: E402
 
 
 def make_artifact(n_layers: int, experts: int, k: int, seed: int = 0):
@@ -51,7 +48,7 @@ def make_artifact(n_layers: int, experts: int, k: int, seed: int = 0):
         return CalibrationArtifact(model=ModelSpec("bench-moe", n_layers, experts, 8),
                                    variant="idf", layers=layers, idf=idf, centroids=cents)
     except ImportError:
-        from stub_worker import ToyArtifact
+        from eldr_sglang.testing.stub_worker import ToyArtifact
 
         art = ToyArtifact(layers, experts, 1)
         art.idf, art.centroids = idf, cents

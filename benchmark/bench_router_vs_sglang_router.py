@@ -20,7 +20,7 @@ count message per request, counts packed as the engine plugin sends them),
 JSON lines on the router's ``--signature-port``: the engine's ``--eldr-publish tcp://``), ``eldr-rr`` (ELDR router, round_robin: no signature
 wait), ``sglang-router`` (``python -m sglang_router.launch_router
 --pd-disaggregation ... --policy round_robin``: posts prefill and decode at once).
-The stubs keep SGLang's PD dependency (``tests/stub_worker.py: KvHandoff``): a
+The stubs keep SGLang's PD dependency (``eldr_sglang/testing/stub_worker.py: KvHandoff``): a
 decode stub answers only after the prefill stub finished the same bootstrap room,
 and the prefill stub only after a decode stub took it, so a router that posts both
 at once (sglang-router) and one that posts decode after the signature (ELDR) both
@@ -57,8 +57,6 @@ from eldr_sglang.router.cli import run_loop  # uvloop for the stubs and the clie
 from eldr_sglang.router.metrics import histogram_quantiles
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 N_LAYERS, N_EXPERTS, K_DECISION = 24, 256, 24
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -130,9 +128,8 @@ def serve_stubs(args) -> None:
     """Child mode: 1 prefill + N decode stubs in one event loop; prints their URLs."""
     import logging
 
-    from stub_worker import KvHandoff, StubWorker
-
     from eldr_sglang.core.counts_codec import pack_counts
+    from eldr_sglang.testing.stub_worker import KvHandoff, StubWorker
 
     # sglang-router first probes workers with gRPC (HTTP/2 preface): aiohttp logs a
     # 400 "Pause on PRI/Upgrade" per probe, harmless, then it falls back to HTTP

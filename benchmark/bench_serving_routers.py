@@ -6,7 +6,7 @@
         [--json benchmark/results/bench_serving_routers.json]
 
 A benchmark, not a timed test. It starts 1 prefill + 4 decode stub workers
-(``tests/stub_worker.py``, script mode, one process each), then every router path,
+(``python -m eldr_sglang.testing.stub_worker``, one process each), then every router path,
 each its own process, all before measuring:
 
 ``eldr``           ELDR router, ``--policy eldr``, signatures over TCP (``--signature-port 0``);
@@ -215,12 +215,10 @@ def preflight_stream(url: str) -> tuple[bool, str]:
 # ------------------------------------------------------------------ setup
 def make_artifact(path: Path) -> str:
     """The toy calibration artifact matching the stubs' default layers (0,1) x 8
-    experts, 4 clusters = 4 decode servers (as tests/test_router_hardening.py)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from stub_worker import ToyArtifact
-
+    experts, 4 clusters = 4 decode servers (as tests/integration/helpers.py: save_artifact)."""
     from eldr_sglang.core.artifact import CalibrationArtifact
     from eldr_sglang.core.traces import ModelSpec
+    from eldr_sglang.testing.stub_worker import ToyArtifact
 
     toy = ToyArtifact(layers=[0, 1], num_clusters=N_DECODES)
     art = CalibrationArtifact(model=ModelSpec("toy-moe", 4, 8, 2), variant="idf", layers=[0, 1],
@@ -230,7 +228,7 @@ def make_artifact(path: Path) -> str:
 
 
 def stub_cmd(role: str, port: int, name: str) -> list[str]:
-    return [PY, "tests/stub_worker.py", "--role", role, "--name", name, "--host", "127.0.0.1", "--port", str(port),
+    return [PY, "-m", "eldr_sglang.testing.stub_worker", "--role", role, "--name", name, "--host", "127.0.0.1", "--port", str(port),
                    "--stream-chunks", str(STREAM_CHUNKS)]
 
 
@@ -472,7 +470,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                    "paths": paths, "decode_stubs": N_DECODES, "prefill_stubs": 1,
                    "stub_stream_chunks": STREAM_CHUNKS, "quick": args.quick},
         "notes": [
-            "stubs: 1 prefill + 4 decode, one process each (tests/stub_worker.py script mode); "
+            "stubs: 1 prefill + 4 decode, one process each (python -m eldr_sglang.testing.stub_worker); "
             "no KV handoff across processes: a decode stub answers at once, never waits for its prefill",
             "direct: bench_serving at one decode stub, no router and no prefill (latency baseline); "
             "added latency = router cost + the PD prefill hop the router makes",

@@ -42,8 +42,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(1, str(ROOT))
+sys.path.insert(0, str(HERE))  # sibling modules of benchmark/ (sweeps)
 
 import sweeps  # noqa: E402
 from eldr_sglang.core.policies import StateAwarePolicy  # noqa: E402

@@ -25,8 +25,7 @@ from typing import Sequence
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(1, str(HERE.parent))
+sys.path.insert(0, str(HERE))  # sibling modules of benchmark/ (measured, sweeps)
 
 import measured  # noqa: E402
 import sweeps  # noqa: E402

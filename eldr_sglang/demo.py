@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from eldr_sglang import local_cluster as lc
 from eldr_sglang.core.policies import policy_spec
+from eldr_sglang.testing import local_cluster as lc
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "models" / "eldr-tiny-moe"

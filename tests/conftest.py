@@ -8,7 +8,6 @@ server logs are attached to its report.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -17,19 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from eldr_sglang import local_cluster as lc
-from eldr_sglang.local_cluster import http_json
+from eldr_sglang.testing import local_cluster as lc
+from tests.helpers import (GREEDY_NEW_TOKENS, LOG_DIR, ROOT, TEST_ARTIFACT_LAYERS, greedy_generate, progress,
+                           started)
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = Path(os.environ.get("ELDR_FIXTURE_MODEL", ROOT / ".cache" / "models" / "tiny-qwen3-moe"))
-LOG_DIR = Path(os.environ.get("ELDR_TEST_LOGS", ROOT / ".cache" / "test-logs"))
-
-_started: list[lc.ManagedProcess] = []
-
-
-def _progress(name: str, elapsed: float) -> None:
-    if int(elapsed) % 15 == 0:
-        sys.stderr.write(f"[fixtures] waiting for {name}: {elapsed:.0f}s\n")
 
 
 @pytest.fixture(scope="session")
@@ -48,15 +39,12 @@ def single_server(fixture_model: Path):
     """One plain (non-PD) SGLang CPU server with the ELDR plugin capturing
     layers 1 and 3 (module scope: stopped before the PD servers start)."""
     spec = lc.ServerSpec(str(fixture_model), extra_args=["--eldr-layers", ",".join(map(str, TEST_ARTIFACT_LAYERS))])
-    proc = lc.start_server_ready(spec, LOG_DIR, "single", progress=_progress)
-    _started.append(proc)
+    proc = lc.start_server_ready(spec, LOG_DIR, "single", progress=progress)
+    started.append(proc)
     try:
         yield proc
     finally:
         proc.stop()
-
-
-TEST_ARTIFACT_LAYERS = [1, 3]
 
 
 @pytest.fixture(scope="session")
@@ -98,11 +86,11 @@ def pd_cluster(fixture_model: Path, test_artifact: Path, n_decode: int, trace_di
     run in trace mode and serve plugin metrics."""
     trace = ["--eldr-trace-dir", str(trace_dir)]
     cluster = lc.start_pd_cluster(
-        str(fixture_model), LOG_DIR, n_prefill=1, n_decode=n_decode, progress=_progress,
+        str(fixture_model), LOG_DIR, n_prefill=1, n_decode=n_decode, progress=progress,
         prefill_args=["--eldr-calibration", str(test_artifact),
                       "--eldr-publish", "request", *trace],
         decode_args=trace, eldr_metrics=True)
-    _started.extend(cluster.processes)
+    started.extend(cluster.processes)
     try:
         yield cluster
     finally:
@@ -112,7 +100,7 @@ def pd_cluster(fixture_model: Path, test_artifact: Path, n_decode: int, trace_di
 def _serve_router(proc: lc.ManagedProcess):
     """Ready = it answers a real request (sglang-router's /health is up before
     its workers are registered, and it answers 503 until they are)."""
-    _started.append(proc)
+    started.append(proc)
     try:
         proc.wait_ready(path="/health", timeout=60)
         deadline = time.monotonic() + 60
@@ -149,7 +137,6 @@ GREEDY_PROMPTS = [
     "Aspirin is used to treat",
     "Москва — столица",
 ]
-GREEDY_NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="session")
@@ -177,51 +164,39 @@ def hf_greedy(hf_model):
     return out
 
 
-def greedy_generate(url: str, prompt: str, max_new_tokens: int = GREEDY_NEW_TOKENS) -> list[int]:
-    """Greedy token ids from an SGLang-compatible ``/generate`` endpoint."""
-    body = {"text": prompt, "sampling_params": {"max_new_tokens": max_new_tokens,
-                                                "temperature": 0, "ignore_eos": True}}
-    return http_json(url + "/generate", body, timeout=120)["output_ids"]
-
-
-def run_bench_serving(base_url: str, model: Path, out: Path, num_prompts: int,
-                      input_len: int = 64, output_len: int = 16) -> dict:
-    """``python -m sglang.bench_serving --dataset-name random-ids`` against
-    ``base_url``; returns its result record (asserts the command succeeded)."""
-    cmd = [
-        sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
-        "--base-url", base_url, "--model", str(model), "--tokenizer", str(model),
-        "--dataset-name", "random-ids", "--random-input-len", str(input_len),
-        "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
-        "--request-rate", "inf", "--max-concurrency", "4", "--output-file", str(out),
-        "--disable-tqdm",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text().splitlines()[-1])
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if report.when == "call" and report.failed:
-        for proc in _started:
+        for proc in started:
             report.sections.append((f"log tail: {proc.name} ({proc.log_path})", proc.log_tail(30)))
 
 
 def pytest_sessionfinish(session, exitstatus):
-    for proc in _started:  # belt and braces: nothing outlives the session
+    for proc in started:  # belt and braces: nothing outlives the session
         proc.stop(grace=2)
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Run the single-server tests first (their servers stop before the shared
-    PD cluster starts, so at most three servers run at once) and the
-    destructive ones (they kill servers of the shared cluster) last."""
+    """Run order, by marker and fixture (never by file name):
+
+    0. tests marked ``exclusive`` (the fast demo): they start their own cluster and
+       need the machine to themselves, so they run before any other server starts;
+    1. tests with their own module-scoped servers (``single_server``,
+       ``trained_server``, ``chunked_prefill``): those stop with their module,
+       before the shared PD cluster starts, so at most three servers run at once;
+    2. everything else (the shared PD cluster starts with its first user);
+    3. tests marked ``destructive`` (they kill servers of the shared cluster).
+
+    Within a rank the collection order is kept."""
+    own_servers = {"single_server", "trained_server", "chunked_prefill"}
+
     def rank(item) -> int:
-        if {"single_server", "trained_server"} & set(getattr(item, "fixturenames", ())):
+        if item.get_closest_marker("exclusive"):
             return 0
-        return 2 if item.get_closest_marker("destructive") else 1
+        if own_servers & set(getattr(item, "fixturenames", ())):
+            return 1
+        return 3 if item.get_closest_marker("destructive") else 2
 
     items.sort(key=rank)

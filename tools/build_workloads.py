@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from eldr_sglang.corpus import cell, load_corpus  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules of tools/
+from corpus import cell, load_corpus  # noqa: E402
 
 TASK_SHARES = {"code": 0.29, "medical": 0.26, "math": 0.24, "legal": 0.205}
 LANGUAGE_SHARES = {"en": 0.45, "zh": 0.30, "ru": 0.13, "fr": 0.12}

@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules of tools/
+from corpus import cell, load_corpus  # noqa: E402
 from eldr_sglang.core.signature import SignatureBuilder  # noqa: E402
-from eldr_sglang.corpus import cell, load_corpus  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -3,7 +3,7 @@
 The routing is shaped like Qwen3-30B-A3B (128 experts, top-8, normalised top-k) so
 that expert-usage statistics behave like the real model's; depth and widths are
 small so it trains on two CPU cores. Only the corpus' ``train`` split is used
-(``eldr_sglang.corpus.split_of``); batches are balanced over (domain, language)
+(``tools/corpus.py``: ``split_of``); batches are balanced over (domain, language)
 cells and each sequence packs documents of one cell. The result is a Hugging Face
 checkpoint (bf16 safetensors + tokenizer) that SGLang and transformers load::
 
@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from eldr_sglang.corpus import cell, load_corpus  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules of tools/
+from corpus import cell, load_corpus  # noqa: E402
 
 SPECIAL = ["<pad>", "<s>", "</s>"]
 

@@ -1,0 +1,83 @@
+"""A fast variant of ``make demo`` (2 decode servers, 32 requests), run first so no
+other SGLang server shares the machine: each decode server gets requests, ELDR's
+label mix per server is more concentrated than round robin's, nothing is left running."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eldr_sglang.demo import label_entropy
+
+pytestmark = [pytest.mark.sglang, pytest.mark.exclusive]
+ROOT = Path(__file__).resolve().parents[2]
+REQUESTS = 32
+
+
+def server_pids() -> set[int]:
+    """SGLang servers and ELDR routers running now."""
+    out = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+            if b"sglang.launch_server" in cmd or b"eldr_sglang.router" in cmd or b"sglang::" in cmd:
+                out.add(int(d.name))
+    return out
+
+
+def test_label_entropy_is_measured_not_assumed():
+    from collections import Counter
+
+    assert label_entropy({"a": Counter(x=4), "b": Counter(y=4)}) == 0.0
+    assert label_entropy({"a": Counter(x=2, y=2), "b": Counter(x=2, y=2)}) == pytest.approx(1.0)
+    assert label_entropy({"a": Counter(x=3, y=1), "b": Counter()}) == pytest.approx(0.8113, abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    before = server_pids()
+    done = subprocess.run(
+        [sys.executable, "-m", "eldr_sglang.demo", "--decodes", "2", "--requests", str(REQUESTS),
+         "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=1500,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    left = server_pids() - before
+    return done, out, left
+
+
+def test_fast_demo_runs_and_reports(demo_run):
+    done, out, _ = demo_run
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for text in ("Verdict:", "label entropy/server", "does not stand for GPU latency", "All servers stopped."):
+        assert text in done.stdout
+    assert (out / "demo.png").stat().st_size > 10_000 and (out / "report.txt").is_file()
+
+
+def test_fast_demo_eldr_concentrates_labels(demo_run):
+    done, out, _ = demo_run
+    report = json.loads((out / "report.json").read_text())
+    rr, eldr = report["policies"]["round_robin"], report["policies"]["eldr"]
+    for phase in (rr, eldr):
+        got = {u: sum(m.values()) for u, m in phase["label_mix"].items()}
+        assert len(got) == 2 and all(n > 0 for n in got.values()), got  # each decode server got requests
+        assert sum(got.values()) == REQUESTS
+        assert phase["latency"]["completed"] >= REQUESTS - 1, phase["latency"]
+        assert all(s > 0 for s in phase["decode_steps"].values()), phase["decode_steps"]
+    # the prefill server published every signature over the TCP stream, and the router used them
+    assert eldr["router_counters"].get("signature_streams", 0) >= 1, eldr["router_counters"]
+    assert eldr["router_counters"]["signatures_used"] >= REQUESTS, eldr["router_counters"]
+    assert eldr["router_counters"].get("fallbacks", 0) == 0, eldr["router_counters"]
+    assert eldr["label_entropy_bits"] < rr["label_entropy_bits"], (eldr["label_mix"], rr["label_mix"])
+
+
+def test_fast_demo_leaves_no_process_behind(demo_run):
+    _, _, left = demo_run
+    assert not left, f"still running after the demo: {sorted(left)}"

@@ -1,0 +1,65 @@
+"""Helpers shared by the test packages and ``tests/conftest.py``: the repository root,
+loading a benchmark/ or tools/ script (not a package) as a module, and the
+real-server session state (log folder, started processes, greedy generation,
+bench_serving)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from eldr_sglang.testing import local_cluster as lc
+from eldr_sglang.testing.local_cluster import http_json
+
+ROOT = Path(__file__).resolve().parents[1]
+LOG_DIR = Path(os.environ.get("ELDR_TEST_LOGS", ROOT / ".cache" / "test-logs"))
+
+#: every server and router process the session started (killed at the end; their
+#: log tails are attached to failing tests' reports)
+started: list[lc.ManagedProcess] = []
+
+#: layers the shared cluster's test artifact (and the single server) capture
+TEST_ARTIFACT_LAYERS = [1, 3]
+GREEDY_NEW_TOKENS = 12
+
+
+def load_script(relative_path: str, name: str) -> ModuleType:
+    """Import a benchmark/ or tools/ script (not a package) as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / relative_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def progress(name: str, elapsed: float) -> None:
+    if int(elapsed) % 15 == 0:
+        sys.stderr.write(f"[fixtures] waiting for {name}: {elapsed:.0f}s\n")
+
+
+def greedy_generate(url: str, prompt: str, max_new_tokens: int = GREEDY_NEW_TOKENS) -> list[int]:
+    """Greedy token ids from an SGLang-compatible ``/generate`` endpoint."""
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": max_new_tokens,
+                                                "temperature": 0, "ignore_eos": True}}
+    return http_json(url + "/generate", body, timeout=120)["output_ids"]
+
+
+def run_bench_serving(base_url: str, model: Path, out: Path, num_prompts: int,
+                      input_len: int = 64, output_len: int = 16) -> dict:
+    """``python -m sglang.bench_serving --dataset-name random-ids`` against
+    ``base_url``; returns its result record (asserts the command succeeded)."""
+    cmd = [
+        sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
+        "--base-url", base_url, "--model", str(model), "--tokenizer", str(model),
+        "--dataset-name", "random-ids", "--random-input-len", str(input_len),
+        "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
+        "--request-rate", "inf", "--max-concurrency", "4", "--output-file", str(out),
+        "--disable-tqdm",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text().splitlines()[-1])

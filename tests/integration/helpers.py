@@ -1,0 +1,92 @@
+"""Helpers shared by the integration tests: a stub PD cluster behind an in-process
+ELDR router, HTTP and event-loop shortcuts, waiting for a condition, and a small
+calibration artifact file."""
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+from eldr_sglang.router.app import Router, start_router
+from eldr_sglang.testing.stub_worker import StubWorker, ToyArtifact
+
+BOOT_PORT = 8998
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def cluster(n_decode=4, policy="eldr", prefill_kw=None, decode_kw=None,
+                  dead_decodes=(), **router_kw):
+    """Start 1 prefill + n_decode stubs and a router; yields (router, url, prefill, decodes, http)."""
+    prefill = StubWorker("prefill", name="p0", **(prefill_kw or {}))
+    decodes = [StubWorker("decode", name=f"d{i}", **(decode_kw or {})) for i in range(n_decode)]
+    purl = await prefill.start()
+    durls = [await d.start() for d in decodes]
+    for i in dead_decodes:  # replace by a closed port
+        await decodes[i].stop()
+        durls[i] = f"http://127.0.0.1:{free_port()}"
+    router_kw.setdefault("artifact", ToyArtifact(num_clusters=n_decode) if policy == "eldr" else None)
+    router = Router([(purl, BOOT_PORT)], durls, policy, **router_kw)
+    runner, port = await start_router(router)
+    url = f"http://127.0.0.1:{port}"
+    prefill.signature_url = f"{url}/eldr/signature"
+    http = aiohttp.ClientSession()
+    try:
+        yield router, url, prefill, decodes, http
+    finally:
+        await http.close()
+        await runner.cleanup()
+        for i, w in enumerate([prefill] + decodes):
+            if i - 1 not in dead_decodes:
+                await w.stop()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def post(http, url, body, **kw):
+    async with http.post(url, data=orjson.dumps(body) if not isinstance(body, bytes) else body,
+                         **kw) as r:
+        return r.status, await r.read()
+
+
+async def until(predicate, timeout: float = 30.0, what: str = "condition") -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not predicate():
+        if loop.time() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def wait_until(pred, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def save_artifact(path, num_clusters, corrupt=False, layers=(0, 1)):
+    from eldr_sglang.core.artifact import CalibrationArtifact
+    from eldr_sglang.core.traces import ModelSpec
+
+    toy = ToyArtifact(layers=list(layers), num_clusters=num_clusters)
+    art = CalibrationArtifact(model=ModelSpec("toy-moe", 4, 8, 2), variant="idf",
+                              layers=list(layers), idf=toy.idf, centroids=toy.centroids, tau=0.1)
+    art.save(path)
+    if corrupt:
+        doc = json.loads(Path(path).read_text())
+        doc["tau"] = 0.5  # content no longer matches the checksum
+        Path(path).write_text(json.dumps(doc))
+    return str(path)
