@@ -108,3 +108,26 @@ def test_colocated_trace_mode_logs_prefill_and_decode(trained_server):
         dec = np.array(decode[rid]["decode_counts"])
         assert decode[rid]["output_tokens"] == 6
         assert (dec.sum(axis=1) == 8 * 5).all() or (dec.sum(axis=1) == 8 * 6).all()
+
+
+def test_next_turn_counts_the_cached_earlier_output_like_a_cold_run(trained_server, hf_trained):
+    """A second turn whose prompt holds the first turn's output hits the cache for it;
+    its signature must count those tokens' expert ids as computed when they were
+    decoded, i.e. like a cold run of the same prompt (float32: at most a near-tie swap
+    per layer), not whatever ids their KV slots held before."""
+    server, _ = trained_server
+    tokenizer, _ = hf_trained
+    first = tokenizer(PROMPTS[1])["input_ids"]
+    lc.flush_cache(server.url)
+    out = lc.http_json(server.url + "/generate", {"input_ids": first, "sampling_params": {
+        "max_new_tokens": 12, "temperature": 0, "ignore_eos": True}})["output_ids"]
+    second = first + out + tokenizer(" In summary,")["input_ids"]
+    ask = {"input_ids": second, "sampling_params": {"max_new_tokens": 1, "temperature": 0,
+                                                     "custom_params": {"eldr_signature": True}}}
+    (warm,) = lc.http_json(server.url + "/generate", ask)["meta_info"]["eldr_signature"]
+    assert warm["cached_tokens"] > len(first), "the earlier output should come from the cache"
+    lc.flush_cache(server.url)
+    (cold,) = lc.http_json(server.url + "/generate", ask)["meta_info"]["eldr_signature"]
+    assert cold["cached_tokens"] == 0
+    diff = np.abs(np.array(warm["counts"]) - np.array(cold["counts"])).sum(axis=1)
+    assert (diff <= 2).all(), diff

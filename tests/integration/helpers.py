@@ -26,8 +26,10 @@ def free_port() -> int:
 
 @contextlib.asynccontextmanager
 async def cluster(n_decode=4, policy="eldr", prefill_kw=None, decode_kw=None,
-                  dead_decodes=(), **router_kw):
-    """Start 1 prefill + n_decode stubs and a router; yields (router, url, prefill, decodes, http)."""
+                  dead_decodes=(), push_url=True, **router_kw):
+    """Start 1 prefill + n_decode stubs and a router; yields (router, url, prefill, decodes, http).
+    ``push_url``: the prefill stub posts signatures to the router's URL (else to the
+    return address each request carries)."""
     prefill = StubWorker("prefill", name="p0", **(prefill_kw or {}))
     decodes = [StubWorker("decode", name=f"d{i}", **(decode_kw or {})) for i in range(n_decode)]
     purl = await prefill.start()
@@ -39,7 +41,8 @@ async def cluster(n_decode=4, policy="eldr", prefill_kw=None, decode_kw=None,
     router = Router([(purl, BOOT_PORT)], durls, policy, **router_kw)
     runner, port = await start_router(router)
     url = f"http://127.0.0.1:{port}"
-    prefill.signature_url = f"{url}/eldr/signature"
+    if push_url:
+        prefill.signature_url = f"{url}/eldr/signature"
     http = aiohttp.ClientSession()
     try:
         yield router, url, prefill, decodes, http

@@ -6,13 +6,12 @@ from __future__ import annotations
 import contextlib
 import json
 
-import aiohttp
 import pytest
 
 from eldr_sglang.core.artifact import load_artifact
 from eldr_sglang.router.app import Router, start_router
 from eldr_sglang.testing.stub_worker import StubWorker
-from tests.integration.helpers import BOOT_PORT, post, run, until
+from tests.integration.helpers import BOOT_PORT, cluster, post, run, until
 
 pytestmark = pytest.mark.timeout(60)
 TOPICS = 4
@@ -20,26 +19,15 @@ TOPICS = 4
 
 @contextlib.asynccontextmanager
 async def online_cluster(n_decode=4, **router_kw):
-    prefill = StubWorker("prefill", name="p0")
-    decodes = [StubWorker("decode", name=f"d{i}") for i in range(n_decode)]
-    purl = await prefill.start()
-    durls = [await d.start() for d in decodes]
+    """Stubs and a router with ``--online`` and no artifact; signatures come to each
+    request's return address."""
     router_kw.setdefault("online_min_signatures", 40)
     router_kw.setdefault("online_fit_in", "thread")
-    router_kw.setdefault("signature_port", 0)  # signatures come to each request's return address
-    router = Router([(purl, BOOT_PORT)], durls, "eldr", online=True, health_interval=0,
-                    load_interval=0, **router_kw)
-    runner, port = await start_router(router)
-    url = f"http://127.0.0.1:{port}"
-    assert prefill.signature_url is None
-    http = aiohttp.ClientSession()
-    try:
-        yield router, url, prefill, decodes, http
-    finally:
-        await http.close()
-        await runner.cleanup()
-        for w in [prefill] + decodes:
-            await w.stop()
+    router_kw.setdefault("signature_port", 0)
+    async with cluster(n_decode, "eldr", artifact=None, online=True, health_interval=0, load_interval=0,
+                       push_url=False, **router_kw) as parts:
+        assert parts[2].signature_url is None
+        yield parts
 
 
 async def send(http, url, n, start=0):
@@ -121,7 +109,7 @@ def test_decode_server_join_refits_with_one_more_region_and_admin_refit():
 
 def test_refit_without_online_is_a_clear_400():
     async def main():
-        from tests.integration.helpers import cluster
+
 
         async with cluster(n_decode=2) as (router, url, *_rest, http):
             status, body = await post(http, f"{url}/eldr/calibration", {"refit": True})

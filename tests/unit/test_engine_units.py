@@ -173,3 +173,75 @@ def test_publish_without_an_artifact_sends_spread_layers_and_the_model():
                             packed=True, model=model)
     assert msg["model"] == model and msg["layers"] == [9, 19, 28, 38]
     assert "model" not in signature_message(req, torch.zeros((4, 128)), [9, 19, 28, 38])
+
+
+def _decode_batch(slots, n):
+    from types import SimpleNamespace
+
+    mode = SimpleNamespace(is_extend=lambda: False, is_decode=lambda: True)
+    return SimpleNamespace(forward_mode=mode, batch_size=n, out_cache_loc=torch.tensor(slots),
+                           req_pool_indices=torch.arange(len(slots)))
+
+
+def test_decode_steps_write_their_tokens_into_the_slot_table(monkeypatch):
+    from types import SimpleNamespace
+
+    from eldr_sglang.patches import capture
+
+    state = capture.CaptureState(EngineConfig(layers=(0, 1)), table=ExpertSlotTable(16, [0, 1], 8, 2),
+                                 ready=True)
+    state.decode.active = torch.zeros((2, 8), dtype=torch.bool)
+    monkeypatch.setattr(capture, "STATE", state)
+    state.forward_batch = _decode_batch([5, 9, 0], n=2)  # the third row is graph padding
+    capture.select_experts_after(SimpleNamespace(topk_ids=torch.tensor([[1, 2], [3, 4], [7, 6]])), layer_id=1)
+    ids = state.table.ids
+    assert ids[5, 1].tolist() == [1, 2] and ids[9, 1].tolist() == [3, 4]
+    assert ids[0].sum() == 0  # padding not written
+    assert state.decode.active[1].nonzero().flatten().tolist() == [1, 2, 3, 4]
+
+
+def test_physical_expert_slots_map_to_logical_experts(monkeypatch):
+    from types import SimpleNamespace
+
+    import sglang.srt.eplb.expert_location as el
+
+    from eldr_sglang.patches.capture import logical_ids
+
+    p2l = torch.tensor([[0, 1, 2, 3, 0, 2], [0, 1, 2, 3, 1, 3]])  # 4 experts, 2 redundant slots
+    monkeypatch.setattr(el, "get_global_expert_location_metadata",
+                        lambda: SimpleNamespace(physical_to_logical_map=p2l))
+    phys = torch.tensor([[4, 5], [1, -1]], dtype=torch.int32)
+    dispatch = {"expert_location_dispatch_info": object()}
+    assert logical_ids(phys, 0, dispatch).tolist() == [[0, 2], [1, -1]]
+    assert logical_ids(phys, 1, dispatch).tolist() == [[1, 3], [1, -1]]
+    assert logical_ids(phys, 0, {}) is phys  # no dispatch: ids are logical already
+
+
+def test_cuda_graphs_the_capture_cannot_see_are_turned_off_on_gpus():
+    from eldr_sglang.patches.flags import graph_safe_argv
+
+    prefill = parse_eldr_flags(["--eldr-layers", "1", "--eldr-publish", "request"])
+    decode = parse_eldr_flags(["--eldr-metrics-port", "9000"])
+    base = ["--model-path", "m"]
+    assert graph_safe_argv(prefill, base, gpu=True) == base + ["--disable-prefill-cuda-graph"]
+    assert graph_safe_argv(decode, base, gpu=True) == base + ["--disable-decode-cuda-graph"]
+    assert graph_safe_argv(prefill, base, gpu=False) == base
+    assert graph_safe_argv(EngineConfig(), base, gpu=True) == base  # no ELDR capture: stock SGLang
+    kept = base + ["--cuda-graph-backend-prefill", "full"]
+    assert graph_safe_argv(prefill, kept, gpu=True) == kept  # the operator's explicit choice
+    assert graph_safe_argv(prefill, base + ["--device", "cpu"]) == base + ["--device", "cpu"]
+
+
+def test_every_attention_dp_group_leader_publishes(monkeypatch):
+    from types import SimpleNamespace
+
+    import sglang.srt.runtime_context as rc
+
+    from eldr_sglang.patches.capture import _leads_its_requests
+
+    for ranks, leads in (((0, 0, 0), True), ((1, 0, 1), False), ((4, 0, 0), True), ((5, 0, 1), False)):
+        tp, cp, attn_tp = ranks
+        monkeypatch.setattr(rc, "get_parallel",
+                            lambda tp=tp, cp=cp, a=attn_tp: SimpleNamespace(tp_rank=tp, attn_cp_rank=cp,
+                                                                            attn_tp_rank=a))
+        assert _leads_its_requests() is leads, ranks
