@@ -138,7 +138,8 @@ def _init(state: CaptureState, model_runner) -> None:
                    "num_layers": num_layers, "num_experts": num_experts, "top_k": top_k}
     # trace mode keeps every layer (then only the selected ones are published)
     layers = list(range(num_layers)) if state.config.trace_dir else state.publish_layers
-    if layers:
+    leader = _leads_its_requests()
+    if layers and leader:  # only the rank that publishes reads it: no copy on TP/EP followers
         pool = model_runner.token_to_kv_pool
         num_slots = pool.size + getattr(pool, "page_size", 1)
         state.table = ExpertSlotTable(num_slots, layers, num_experts, top_k, device=device)
@@ -147,7 +148,7 @@ def _init(state: CaptureState, model_runner) -> None:
                     layers, state.table.bytes_per_token, num_slots)
     state.decode.unique_total = torch.zeros((), dtype=torch.int64, device=device)
     state.decode.active = torch.zeros((num_layers, num_experts), dtype=torch.bool, device=device)
-    if not _leads_its_requests():  # TP/EP followers: their leader publishes and writes traces
+    if not leader:  # TP/EP followers: their leader publishes and writes traces
         state.ready = True
         return
     if state.config.publish and state.table is not None:
