@@ -94,7 +94,18 @@ def state_aware_section(results_dir: Path) -> list[str]:
             "[results/state_aware.md](results/state_aware.md)).", "", verdict]
 
 
+def online_section(results_dir: Path) -> list[str]:
+    """The online-calibration scenarios, from ``benchmark/bench_online.py``'s report."""
+    path = results_dir / "online.md"
+    if not path.is_file():
+        return []
+    body = path.read_text().split("\n", 1)[1].strip()  # its own title replaced by this section's
+    return ["", "## Online calibration: cold start, drift, scale-out, scale-in (SIMULATED)", "",
+            "Details and per-seed figures: [results/online.md](results/online.md), "
+            "[results/online.json](results/online.json).", "", body]
+
+
 def render(traces_root: Path, workloads: list[str], results_dir: Path) -> str:
     lines = (trace_section(traces_root, workloads) + specialisation_section() + real_cpu_section(results_dir)
-             + state_aware_section(results_dir))
+             + state_aware_section(results_dir) + online_section(results_dir))
     return ("\n".join(lines) + "\n") if lines else ""
