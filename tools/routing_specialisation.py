@@ -93,7 +93,9 @@ def prefill_decode_pearson(model, ids: torch.Tensor, top_k: int, new_tokens: int
                           pad_token_id=0, eos_token_id=None)
     n = ids.shape[1]
     prefill = expert_counts(model, ids, top_k)
-    whole = expert_counts_positions(model, full[:, :-1], top_k, start=n - 1)
+    # decode steps process the generated tokens except the last (position n onwards); the
+    # last prompt token (n - 1) was processed by the prefill
+    whole = expert_counts_positions(model, full[:, :-1], top_k, start=n)
     r = [np.corrcoef(p.ravel(), d.ravel())[0, 1] for p, d in zip(prefill, whole)]
     return float(np.nanmean(r))
 
