@@ -24,8 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules of tools/
-from collect_traces import join_records, model_spec, read_jsonl  # noqa: E402
+from eldr_sglang.collect_traces import join_records, model_spec, read_jsonl  # noqa: E402
 from eldr_sglang.core import TraceWriter  # noqa: E402
 from eldr_sglang.testing.local_cluster import ServerSpec, http_json, start_server  # noqa: E402
 

@@ -9,7 +9,7 @@
 * ``steps-<pid>.jsonl`` (decode servers): batch size and distinct experts per
   layer of every decode step.
 
-``python tools/collect_traces.py`` joins them by rid into the calibration
+``python -m eldr_sglang.collect_traces`` joins them by rid into the calibration
 core's trace shards. Writes happen on a daemon thread; the scheduler only
 enqueues.
 """

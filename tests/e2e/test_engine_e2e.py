@@ -160,7 +160,7 @@ def test_trace_mode_logs_join_into_calibration_traces(eldr_router, trace_dir, fi
         route(eldr_router.url, prompt, max_new_tokens=6)
     time.sleep(1.0)  # trace lines are written by a background thread
     out = tmp_path / "traces"
-    proc = subprocess.run([sys.executable, "tools/collect_traces.py", "--logs", str(trace_dir),
+    proc = subprocess.run([sys.executable, "-m", "eldr_sglang.collect_traces", "--logs", str(trace_dir),
                            "--model", str(fixture_model), "--out", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -4,7 +4,7 @@ Prefill servers write ``prefill-*.jsonl`` (prompt expert counts and gate sums),
 decode servers ``decode-*.jsonl`` (decode expert counts); both carry the
 request id. Requests present on both sides become one trace record.
 
-    python tools/collect_traces.py --logs DIR [DIR ...] --model MODEL_DIR --out traces/ \
+    python -m eldr_sglang.collect_traces --logs DIR [DIR ...] --model MODEL_DIR --out traces/ \
         [--labels labels.jsonl]   # lines {"rid": ..., "task": ..., "language": ...}
 """
 
