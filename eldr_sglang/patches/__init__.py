@@ -94,14 +94,14 @@ def register() -> None:
 def register_capture(config) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from eldr_sglang.patches import capture
+    from eldr_sglang.patches import capture, signatures, state
 
-    if capture.STATE is not None:
+    if state.STATE is not None:
         return
-    capture.STATE = capture.CaptureState(config)  # tensors and publisher: at the first forward
+    state.STATE = state.CaptureState(config)  # tensors and publisher: at the first forward
     HookRegistry.register(TARGETS["scheduler_init"], capture.scheduler_init_after, HookType.AFTER)
     HookRegistry.register(TARGETS["forward"], capture.forward_around, HookType.AROUND)
     HookRegistry.register(TARGETS["select_experts"], capture.select_experts_after, HookType.AFTER)
-    HookRegistry.register(TARGETS["disagg_prefill"], capture.disagg_prefill_around, HookType.AROUND)
-    HookRegistry.register(TARGETS["output_streamer"], capture.output_streamer_class_after, HookType.AFTER)
-    HookRegistry.register(TARGETS["release"], capture.release_before, HookType.BEFORE)
+    HookRegistry.register(TARGETS["disagg_prefill"], signatures.disagg_prefill_around, HookType.AROUND)
+    HookRegistry.register(TARGETS["output_streamer"], signatures.output_streamer_class_after, HookType.AFTER)
+    HookRegistry.register(TARGETS["release"], signatures.release_before, HookType.BEFORE)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-from eldr_sglang.patches.capture import CaptureState
+from eldr_sglang.patches.state import CaptureState
 
 
 def serve_metrics(state: CaptureState, port: int) -> None:

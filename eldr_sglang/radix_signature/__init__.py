@@ -56,6 +56,14 @@ class ExpertSlotTable:
         return torch.bincount(flat, minlength=n_layers * n_exp).view(n_layers, n_exp)
 
 
+def request_counts(req_to_token_pool, req, table: ExpertSlotTable) -> torch.Tensor:
+    """Expert counts ``[num_layers, num_experts]`` over every prompt token of ``req``
+    (cached + computed): its KV slots are ``req_to_token[req's row, :prompt length]``."""
+    n = len(req.origin_input_ids)
+    slots = req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n]
+    return table.counts(slots)
+
+
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_bytes: int = 2) -> int:
     """K and V of every layer for one token."""
     return num_layers * 2 * num_kv_heads * head_dim * kv_bytes

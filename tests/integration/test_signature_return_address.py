@@ -212,7 +212,7 @@ def fake_req(custom_params=..., sampling_params=...) -> SimpleNamespace:
     (SimpleNamespace(), None),  # no sampling params at all
 ])
 def test_return_address_from_the_request(req, expected):
-    from eldr_sglang.patches.capture import return_address
+    from eldr_sglang.patches.messages import return_address
 
     assert return_address(req) == expected
 

@@ -160,12 +160,13 @@ def test_publish_without_an_artifact_sends_spread_layers_and_the_model():
     import torch
 
     from eldr_sglang.core.layer_selection import spread_layers
-    from eldr_sglang.patches.capture import _selected_layers, signature_message
+    from eldr_sglang.patches.messages import signature_message
+    from eldr_sglang.patches.state import selected_layers
     from eldr_sglang.patches.flags import SPREAD
 
     config = parse_eldr_flags(["--eldr-publish", "request"])
     assert config.layers == SPREAD
-    assert _selected_layers(config, 48) == spread_layers(48) == [9, 19, 28, 38]
+    assert selected_layers(config, 48) == spread_layers(48) == [9, 19, 28, 38]
     assert spread_layers(4) == [0, 1, 2, 3] and spread_layers(6) == [1, 2, 3, 4]
     req = SimpleNamespace(bootstrap_room=7, rid="r", origin_input_ids=[1, 2, 3], cached_tokens=0)
     model = {"name": "m", "num_layers": 48, "num_experts": 128, "top_k": 8}
@@ -186,12 +187,12 @@ def _decode_batch(slots, n):
 def test_decode_steps_write_their_tokens_into_the_slot_table(monkeypatch):
     from types import SimpleNamespace
 
-    from eldr_sglang.patches import capture
+    from eldr_sglang.patches import capture, state as engine
 
-    state = capture.CaptureState(EngineConfig(layers=(0, 1)), table=ExpertSlotTable(16, [0, 1], 8, 2),
+    state = engine.CaptureState(EngineConfig(layers=(0, 1)), table=ExpertSlotTable(16, [0, 1], 8, 2),
                                  ready=True)
     state.decode.active = torch.zeros((2, 8), dtype=torch.bool)
-    monkeypatch.setattr(capture, "STATE", state)
+    monkeypatch.setattr(engine, "STATE", state)
     state.forward_batch = _decode_batch([5, 9, 0], n=2)  # the third row is graph padding
     capture.select_experts_after(SimpleNamespace(topk_ids=torch.tensor([[1, 2], [3, 4], [7, 6]])), layer_id=1)
     ids = state.table.ids
@@ -237,11 +238,11 @@ def test_every_attention_dp_group_leader_publishes(monkeypatch):
 
     import sglang.srt.runtime_context as rc
 
-    from eldr_sglang.patches.capture import _leads_its_requests
+    from eldr_sglang.patches.state import leads_its_requests
 
     for ranks, leads in (((0, 0, 0), True), ((1, 0, 1), False), ((4, 0, 0), True), ((5, 0, 1), False)):
         tp, cp, attn_tp = ranks
         monkeypatch.setattr(rc, "get_parallel",
                             lambda tp=tp, cp=cp, a=attn_tp: SimpleNamespace(tp_rank=tp, attn_cp_rank=cp,
                                                                             attn_tp_rank=a))
-        assert _leads_its_requests() is leads, ranks
+        assert leads_its_requests() is leads, ranks
