@@ -156,9 +156,16 @@ def test_bench_serving_through_eldr_router(eldr_router, fixture_model, tmp_path)
 
 
 def test_trace_mode_logs_join_into_calibration_traces(eldr_router, trace_dir, fixture_model, tmp_path):
-    for prompt in PROMPTS:
-        route(eldr_router.url, prompt, max_new_tokens=6)
-    time.sleep(1.0)  # trace lines are written by a background thread
+    rids = {rid for prompt in PROMPTS for rid in route(eldr_router.url, prompt, max_new_tokens=6)["rids"]}
+
+    def logged(kind: str) -> set:
+        return {json.loads(line).get("rid") for f in trace_dir.glob(f"{kind}-*.jsonl")
+                for line in f.read_text().split("\n")[:-1] if line.strip()}  # complete lines
+
+    deadline = time.monotonic() + 60  # trace lines are written by a background thread: wait for them
+    while not (rids <= logged("prefill") and rids <= logged("decode")):
+        assert time.monotonic() < deadline, "trace lines not written"
+        time.sleep(0.1)
     out = tmp_path / "traces"
     proc = subprocess.run([sys.executable, "-m", "eldr_sglang.collect_traces", "--logs", str(trace_dir),
                            "--model", str(fixture_model), "--out", str(out)],
