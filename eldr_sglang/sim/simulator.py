@@ -7,7 +7,10 @@ Every number it produces is simulated. Per request:
 2. prefill on the prefill server that frees up first (FIFO, one request at a
    time): ``prefill_fixed_s + prefill_s_per_token * prompt * (1 - cached)``, where
    ``cached`` is the prefix-cached share of the prompt;
-3. first token at prefill end + ``kv_transfer_s``; the decode server is chosen
+3. first token at prefill end + ``kv_transfer_s`` (+ ``signature_wait_s`` with late
+   binding: the prefill server holds the KV until the decode server is chosen;
+   ``binding="early"`` chooses at arrival without a signature, as sglang-router
+   does, so the transfer starts as the prefill ends); the decode server is chosen
    then (late binding) by an unchanged :mod:`eldr_sglang.core.policies` object,
    given the in-flight request count per decode server and a
    :class:`~eldr_sglang.core.policies.RouteRequest` with the request's
@@ -47,7 +50,7 @@ from .workload import SimWorkload
 
 __all__ = ["SimConfig", "SimResult", "simulate", "arrival_times"]
 
-_PREFILL_DONE, _STEP_DONE = 0, 1
+_ARRIVAL, _PREFILL_DONE, _STEP_DONE = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,11 @@ class SimConfig:
     prefill_s_per_token: float = 4e-5
     prefix_cached_fraction: float = 0.0  # share of each prompt served from the prefix cache
     kv_transfer_s: float = 0.002
+    # "late": the decode server is chosen after the prefill, with its signature (ELDR's
+    # flow: the prefill server holds the KV meanwhile); "early": chosen at arrival, with
+    # no signature (sglang-router's flow: the transfer starts as the prefill ends)
+    binding: str = "late"
+    signature_wait_s: float = 0.0  # late binding: prefill end -> decode chosen (publish + router)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -79,6 +87,10 @@ class SimConfig:
             raise ValueError(f"arrival must be 'poisson' or 'gamma', got {self.arrival!r}")
         if not 0.0 <= self.prefix_cached_fraction <= 1.0:
             raise ValueError("prefix_cached_fraction must be in [0, 1]")
+        if self.binding not in ("late", "early"):
+            raise ValueError(f"binding must be 'late' or 'early', got {self.binding!r}")
+        if not self.signature_wait_s >= 0:
+            raise ValueError("signature_wait_s must be >= 0")
         if self.max_batch < 1 or self.kv_capacity_tokens < 1:
             raise ValueError("max_batch and kv_capacity_tokens must be >= 1")
 
@@ -184,11 +196,15 @@ def simulate(workload: SimWorkload, policy: Policy, config: SimConfig,
     prefill_t = config.prefill_fixed_s + config.prefill_s_per_token * prompt * (1.0 - config.prefix_cached_fraction)
     free_at = [0.0] * config.num_prefill
     events: list[tuple[float, int, int, int]] = []
+    early = config.binding == "early"
+    hold = config.kv_transfer_s + (0.0 if early else config.signature_wait_s)  # prefill KV held for transfer
     for r in range(n):
         p = min(range(config.num_prefill), key=free_at.__getitem__)
         end = max(arrivals[r], free_at[p]) + prefill_t[r]
         free_at[p] = end
-        events.append((end + config.kv_transfer_s, r, _PREFILL_DONE, r))
+        events.append((end + hold, r, _PREFILL_DONE, r))
+        if early:
+            events.append((arrivals[r], r, _ARRIVAL, r))
     heapq.heapify(events)
     seq = n
 
@@ -234,23 +250,30 @@ def simulate(workload: SimWorkload, policy: Policy, config: SimConfig,
             sv.logsum += workload.log1mp[pick[r]]
             heapq.heappush(sv.finishing, (sv.steps + int(output[r]) - 1, r))
 
+    def bind(r: int, req: RouteRequest) -> None:
+        nonlocal load_sum, load_samples
+        s = policy.choose(req, loads)
+        tokens[r] = policy.admit(s, req)
+        if w0 <= arrivals[r] < w1:
+            load_sum += loads
+            load_samples += 1
+        server_of[r] = s
+        loads[s] += 1
+
     while events:
         now, _, kind, x = heapq.heappop(events)
-        if kind == _PREFILL_DONE:
+        if kind == _ARRIVAL:  # early binding: chosen now, without a signature
+            bind(x, RouteRequest(label=str(workload.labels[pick[x]])))
+        elif kind == _PREFILL_DONE:
             r = x
             first_token[r] = now
-            sig = signatures[pick[r]] if wants_sig else None
-            label = str(workload.labels[pick[r]])
-            req = RouteRequest(signature=sig, label=label,
-                               activation=activations[pick[r]] if wants_act else None,
-                               counts=counts[pick[r]] if wants_counts else None)
-            s = policy.choose(req, loads)
-            tokens[r] = policy.admit(s, req)
-            if w0 <= arrivals[r] < w1:
-                load_sum += loads
-                load_samples += 1
-            server_of[r] = s
-            loads[s] += 1
+            if not early:
+                sig = signatures[pick[r]] if wants_sig else None
+                label = str(workload.labels[pick[r]])
+                bind(r, RouteRequest(signature=sig, label=label,
+                                     activation=activations[pick[r]] if wants_act else None,
+                                     counts=counts[pick[r]] if wants_counts else None))
+            s = int(server_of[r])
             sv = servers[s]
             sv.waiting.append(r)
             if not sv.busy:
@@ -285,6 +308,10 @@ def simulate(workload: SimWorkload, policy: Policy, config: SimConfig,
     result = SimResult(config, policy.name, arrivals, first_token, finish, output, server_of, finished_count)
     result.summary = _summarise(result, load_sum / max(load_samples, 1), step_count, batch_sum, unique_sum,
                                 token_count, params)
+    m = result.measured
+    # prompt tokens whose KV a prefill server holds until the decode server has pulled it, on average
+    result.summary["prefill_kv_held_tokens"] = float((prompt[m] * hold).sum() / config.measure_s)
+    result.summary["binding"] = config.binding
     return result
 
 

@@ -123,3 +123,49 @@ def test_bad_config_is_refused():
         SimConfig(arrival="weird")
     with pytest.raises(ValueError, match="num_decode"):
         SimConfig(num_decode=0)
+
+
+def test_late_binding_pays_the_signature_wait_in_ttft_and_prefill_kv():
+    """Late binding (ELDR's flow) holds each prompt's KV on the prefill server for the
+    signature wait and adds it to TTFT; early binding (chosen at arrival, no signature)
+    does not, and its policy sees no signature."""
+    wait = 0.05
+    late = simulate(workload_of(), make_policy("jsq", 4), small(signature_wait_s=wait))
+    early = simulate(workload_of(), make_policy("jsq", 4), small(binding="early", signature_wait_s=wait))
+    base = simulate(workload_of(), make_policy("jsq", 4), small())
+    assert late.summary["conserved"] and early.summary["conserved"]
+    prefill_end = base.first_token - small().kv_transfer_s  # same arrivals and prefill schedule
+    assert np.allclose(late.first_token - prefill_end, small().kv_transfer_s + wait)
+    assert np.allclose(early.first_token - prefill_end, small().kv_transfer_s)
+    ratio = late.summary["prefill_kv_held_tokens"] / early.summary["prefill_kv_held_tokens"]
+    assert ratio == pytest.approx((small().kv_transfer_s + wait) / small().kv_transfer_s)
+
+    class Recorder:
+        name, needs_signature = "rec", True
+        seen: list = []
+
+        def choose(self, request, loads, allowed=None):
+            self.seen.append(request.signature)
+            return 0
+
+        def admit(self, i, r):
+            return None
+
+        def release(self, token):
+            pass
+
+    rec = Recorder()
+    simulate(workload_of(), rec, small(binding="early"), signatures=np.ones((len(workload_of()), 3)))
+    assert rec.seen and all(s is None for s in rec.seen)
+    with pytest.raises(ValueError, match="binding"):
+        small(binding="sometimes")
+
+
+_WL = {}
+
+
+def workload_of():
+    if "w" not in _WL:
+        _WL["w"] = build_workload(make_synthetic_traces(300, num_layers=2, num_experts=16, top_k=2, n_informative=1,
+                                                        include_gates=False, seed=5).traces, "task")
+    return _WL["w"]
