@@ -45,6 +45,8 @@ __all__ = [
     "per_gpu_unique",
     "contiguous_placement",
     "fit_moe_layer_fixed",
+    "fit_to_microbench",
+    "layer_ratio",
 ]
 
 BF16 = 2
@@ -219,3 +221,26 @@ def step_cost(params: CostParams, published_layers: int, expert_scale: float = 1
                     per_seq_s=params.attn_s_per_token + params.moe_s_per_token * L,
                     per_expert_s=params.expert_read_s * L / published_layers * expert_scale,
                     max_batch=max_batch)
+
+
+def fit_to_microbench(base: CostParams, rows: list[dict], bytes_per_expert: float, name: str) -> CostParams:
+    """``base`` with its MoE-layer terms fitted to a microbenchmark: least squares of
+    ``median_ms ~ fixed + per_token * batch + per_expert * unique`` over its rows
+    (``{"batch", "unique", "median_ms"}``). The per-expert time becomes the effective
+    bandwidth ``bytes_per_expert / per_expert``; the attention and dense terms are kept."""
+    a = np.array([[1.0, r["batch"], r["unique"]] for r in rows])
+    t = np.array([r["median_ms"] for r in rows]) * 1e-3
+    (fixed, per_token, per_expert), *_ = np.linalg.lstsq(a, t, rcond=None)
+    if per_expert <= 0 or fixed < 0:
+        raise ValueError(f"microbenchmark fit is not physical (fixed {fixed:.3g} s, per expert {per_expert:.3g} s)")
+    return replace(base, name=name, moe_layer_fixed_s=float(fixed), moe_s_per_token=float(max(per_token, 0.0)),
+                   mem_bandwidth=bytes_per_expert / float(per_expert), bytes_per_expert=float(bytes_per_expert))
+
+
+def layer_ratio(params: CostParams, low: int = ANCHOR_LOW, high: int = ANCHOR_HIGH, batch: int = ANCHOR_BATCH) -> float:
+    """MoE layer time at ``high`` over ``low`` distinct experts (the paper reports 4.7x)."""
+    if params.ep_size > 1:
+        lo, hi = np.full(params.ep_size, low / params.ep_size), np.full(params.ep_size, high / params.ep_size)
+        return float(moe_layer_time(params, hi, batch) / moe_layer_time(params, lo, batch))
+    return float(moe_layer_time(params, high, batch) / moe_layer_time(params, low, batch))
+

@@ -96,3 +96,22 @@ def test_microbenchmark_layer_computes_the_moe_output():
             g, u = (w13[e] @ x[t]).chunk(2)
             want[t] += weights[t, j] * (w2[e] @ (torch.nn.functional.silu(g) * u))
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_fit_to_microbench_recovers_the_layer_terms_and_the_ratio():
+    from eldr_sglang.sim.cost_model import fit_to_microbench, get_params, layer_ratio
+
+    base = get_params("qwen3-30b-a3b-h200")
+    fixed, per_token, per_expert = 150e-6, 0.4e-6, 5e-6
+    rows = [{"batch": b, "unique": u, "median_ms": 1e3 * (fixed + per_token * b + per_expert * u)}
+            for b in (32, 128, 256) for u in (8, 16, 32, 64, 128)]
+    fit = fit_to_microbench(base, rows, base.bytes_per_expert, "fit")
+    assert fit.moe_layer_fixed_s == pytest.approx(fixed, rel=1e-6)
+    assert fit.moe_s_per_token == pytest.approx(per_token, rel=1e-6)
+    assert fit.expert_read_s == pytest.approx(per_expert, rel=1e-6)
+    assert fit.dense_s == base.dense_s  # only the MoE-layer terms change
+    want = (fixed + 32 * per_token + 128 * per_expert) / (fixed + 32 * per_token + 16 * per_expert)
+    assert layer_ratio(fit) == pytest.approx(want)
+    assert layer_ratio(get_params("qwen3-30b-a3b-mi300x")) == pytest.approx(4.7)
+    with pytest.raises(ValueError, match="not physical"):
+        fit_to_microbench(base, [{**r, "median_ms": 1.0 - 0.001 * r["unique"]} for r in rows], 1.0, "bad")
