@@ -38,7 +38,6 @@ import json
 import shlex
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np

@@ -49,7 +49,7 @@ def main() -> None:
             kv = kv_bytes_per_token(layers, kv_heads, head_dim)
             frac = table.bytes_per_token / kv
             print(f"{name:26} {n_sel:>16} {table.bytes_per_token:>12} {kv:>11} {100 * frac:>8.3f}%")
-    print(f"\nper GPU under the presets' parallelism (4 selected layers; the table on the publishing rank only):")
+    print("\nper GPU under the presets' parallelism (4 selected layers; the table on the publishing rank only):")
     print(f"{'preset':58} {'KV B/token/GPU':>15} {'ids B/token':>12} {'share':>8}")
     for preset, (model, tp, dp) in PRESETS.items():
         layers, kv_heads, head_dim, experts, top_k = MODELS[model]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-import numpy as np
 
 from ..core.artifact import CalibrationArtifact
 from ..core.online import FitResult, OnlineCalibrator, OnlineSettings, run_fit
