@@ -146,7 +146,8 @@ class ABController:
                 tot[k] = tot.get(k, 0.0) + v
         steps = tot.get("eldr_decode_steps_total", 0.0)
         rec["decode_steps"] = steps
-        rec["unique_per_step"] = tot["eldr_decode_unique_experts_total"] / steps if steps else None
+        unique = tot.get("eldr_decode_unique_experts_total")
+        rec["unique_per_step"] = unique / steps if steps and unique is not None else None
         rec["mean_batch"] = tot.get("eldr_decode_tokens_total", 0.0) / steps if steps else None
         for key, hname in (("tpot_mean_s", SGLANG_HISTOGRAMS[0]), ("ttft_mean_s", SGLANG_HISTOGRAMS[1])):
             n = tot.get(f"{hname}_count", 0.0)
