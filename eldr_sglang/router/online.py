@@ -82,8 +82,10 @@ class OnlineController:
     async def _fit(self, reason: str) -> None:
         n = len(self.r.pool.decodes)
         owners = self._owners(n)
-        job = self.calibrator.job(n, reason, owners)
         loop = asyncio.get_running_loop()
+        # copying the window (tens of MB) runs off the loop too; a row written meanwhile
+        # is one request's counts either way
+        job = await loop.run_in_executor(None, self.calibrator.job, n, reason, owners)
         try:
             result: FitResult = await loop.run_in_executor(self._executor(), run_fit, job)
         except asyncio.CancelledError:
