@@ -259,15 +259,23 @@ class Router:
     def change_servers(self, add: Sequence[str] = (), remove: Sequence[str] = (),
                        add_prefill: Sequence[tuple[str, Optional[int]]] = (),
                        remove_prefill: Sequence[str] = ()) -> None:
-        """Membership changes; in-flight requests keep the worker objects they hold."""
-        pool, policy = self.pool, self.routing.policy
+        """Membership changes; in-flight requests keep the worker objects they hold.
+        Every policy that follows the pool (the live one, the other A/B arms) is told;
+        the shadow policy is rebuilt at its next use."""
+        pool = self.pool
+        routings = [self.routing] + (self.ab.routings if self.ab is not None else [])
+        policies = list({id(r.policy): r.policy for r in routings}.values())
         for url in remove:
             i = pool.decode_index(url)
             pool.remove_decode(i)
-            policy.remove_server(i)
+            for policy in policies:
+                policy.remove_server(i)
         for url in add:
             pool.add_decode(url)
-            policy.add_server()
+            for policy in policies:
+                policy.add_server()
+        if self.shadow is not None and (add or remove):
+            self.shadow.policy = None
         for url in remove_prefill:
             pool.remove_prefill(url)
         for url, port in add_prefill:

@@ -156,3 +156,21 @@ def test_ab_flags_are_validated():
         RouterConfig(ab_policies="eldr,jsq", online=True)
     with pytest.raises(ValueError, match="ab_slice"):
         RouterConfig(ab_slice=0)
+
+
+def test_membership_changes_reach_every_ab_arm_and_the_shadow():
+    async def main():
+        async with cluster(n_decode=3, artifact=ToyArtifact(num_clusters=3), ab_policies="round_robin,eldr",
+                           ab_slice=60, shadow_policy="eldr") as (router, url, prefill, decodes, http):
+            status, _ = await post(http, f"{url}/generate", {"text": "topic:0 x"})  # builds the shadow
+            await until(lambda: router.metrics.value("shadow_decisions") == 1, what="first shadow outcome")
+            status, _ = await post(http, f"{url}/eldr/servers", {"remove": [decodes[2].url]})
+            assert status == 200
+            for arm in router.ab.routings:  # the idle arm follows the pool too
+                router.set_routing(arm)
+                status, _ = await post(http, f"{url}/generate", {"text": "topic:1 x"})
+                assert status == 200
+            await until(lambda: router.metrics.value("shadow_decisions") == 3, what="shadow outcomes")
+            assert router.metrics.value("errors", kind="policy") == 0
+            assert router.metrics.value("shadow_decisions", outcome="error") == 0
+    run(main())
