@@ -359,7 +359,7 @@ class OnlineCalibrator:
         self.artifact = artifact
         self.model = model or (artifact.model if artifact is not None else None)
         self.monitor: Optional[DriftMonitor] = None
-        self._reference_counts: list[np.ndarray] = []  # a started-from artifact's first signatures
+        self._reference_signatures: list[np.ndarray] = []  # a started-from artifact's first signatures
         self.generation = 0
         self.since_fit = 0
         self.manual = False
@@ -385,11 +385,11 @@ class OnlineCalibrator:
             return
         sig = art.signature(counts)
         if self.monitor is None:  # started from a given artifact: its reference is the first traffic
-            self._reference_counts.append(sig)
-            if len(self._reference_counts) >= 2 * self.settings.drift_window:
-                ref = DriftReference.of(art.centroids, np.asarray(self._reference_counts), art.tau)
+            self._reference_signatures.append(sig)
+            if len(self._reference_signatures) >= 2 * self.settings.drift_window:
+                ref = DriftReference.of(art.centroids, np.asarray(self._reference_signatures), art.tau)
                 self.monitor = DriftMonitor(art.centroids, ref, self.settings.drift_window, art.tau)
-                self._reference_counts = []
+                self._reference_signatures = []
             return
         self.monitor.observe(sig)
 
@@ -440,7 +440,7 @@ class OnlineCalibrator:
         drift = self.monitor.statistics() if self.monitor is not None else None
         self.artifact = art
         self.monitor = DriftMonitor(art.centroids, result.reference, self.settings.drift_window, art.tau)
-        self._reference_counts = []
+        self._reference_signatures = []
         self.generation += 1
         self.since_fit = 0
         self.settling = result.reason == "drift"

@@ -114,8 +114,7 @@ class Router:
         self.ab: Optional[ABController] = None
         if c.ab_policies or c.ab_record:
             names = [p.strip() for p in (c.ab_policies or c.policy).split(",") if p.strip()]
-            arms = [self._routing(policy_spec(p), self.routing.encoder, self.routing.calibration_path)
-                    for p in names]
+            arms = [self.build_routing(policy_spec(p), self.routing.encoder) for p in names]
             self.ab = ABController(self, arms, c.ab_slice, c.ab_record,
                                    [u.strip() for u in (c.engine_metrics or "").split(",") if u.strip()],
                                    c.ab_label)
