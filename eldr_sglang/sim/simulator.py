@@ -20,7 +20,8 @@ Every number it produces is simulated. Per request:
    ``prompt + output`` tokens fit the KV capacity; every step produces one token
    for every running sequence and lasts :func:`~.cost_model.step_time` of the
    batch's size, its KV tokens and its distinct experts per layer (expected union,
-   see :mod:`.workload`), mapped onto the target model: the trace model's
+   see :mod:`.workload`; or, where the workload carries recorded per-step expert
+   sets, the true union of the running requests' current steps), mapped onto the target model: the trace model's
    union fraction per layer times the target's expert count, the trace layers'
    mean standing for every MoE layer of the target. With expert parallelism the
    trace experts are split contiguously into ``ep_size`` groups (or by
@@ -143,10 +144,11 @@ def arrival_times(config: SimConfig, rng: np.random.Generator) -> np.ndarray:
 class _Server:
     """Decode server state: running batch as expert log-sums, FIFO waiting queue."""
 
-    __slots__ = ("logsum", "running", "waiting", "finishing", "steps", "ctx", "kv", "busy")
+    __slots__ = ("logsum", "running", "waiting", "finishing", "steps", "ctx", "kv", "busy", "joined")
 
     def __init__(self, shape: tuple[int, int]) -> None:
         self.logsum = np.zeros(shape)
+        self.joined: dict[int, int] = {}  # replay: running request -> server step it joined at
         self.running = 0
         self.waiting: deque[int] = deque()
         self.finishing: list[tuple[int, int]] = []  # (server step at which it ends, request)
@@ -190,6 +192,10 @@ def simulate(workload: SimWorkload, policy: Policy, config: SimConfig,
     wants_act = activations is not None and getattr(policy, "uses_activation", False)
     wants_counts = counts is not None and getattr(policy, "uses_counts", False)
     tokens: list = [None] * n  # the policy's admit() tokens, released at finish
+    replay = workload.step_experts
+    if replay is not None:
+        replay_len = replay.shape[1]
+        flat_base = (np.arange(L) * E)[None, :, None]  # [1, L, 1]: layer offset into [L * E]
     w0, w1 = config.warmup_s, config.warmup_s + config.measure_s
 
     # prefill: the server that frees up first, FIFO (computed in arrival order)
@@ -221,7 +227,13 @@ def simulate(workload: SimWorkload, policy: Policy, config: SimConfig,
 
     def start_step(s: int, sv: _Server, now: float) -> None:
         nonlocal seq, step_count, batch_sum, unique_sum
-        free = np.exp(sv.logsum)  # prod_r (1 - p_re)
+        if replay is None:
+            free = np.exp(sv.logsum)  # prod_r (1 - p_re)
+        else:  # the true union of every running request's current recorded step
+            members = np.fromiter(sv.joined, dtype=np.int64, count=len(sv.joined))
+            at = (sv.steps - np.fromiter(sv.joined.values(), dtype=np.int64, count=len(sv.joined))) % replay_len
+            ids = replay[pick[members], at].astype(np.int64) + flat_base  # [b, L, k]
+            free = (np.bincount(ids.ravel(), minlength=L * E) == 0).reshape(L, E).astype(np.float64)
         if ep > 1:
             per_gpu = (group_size - np.einsum("le,leg->lg", free, place)) * scale  # [L, G]
             unique = per_gpu
@@ -248,6 +260,7 @@ def simulate(workload: SimWorkload, policy: Policy, config: SimConfig,
             sv.kv += need
             sv.ctx += int(prompt[r]) + 1
             sv.logsum += workload.log1mp[pick[r]]
+            sv.joined[r] = sv.steps
             heapq.heappush(sv.finishing, (sv.steps + int(output[r]) - 1, r))
 
     def bind(r: int, req: RouteRequest) -> None:
@@ -294,6 +307,7 @@ def simulate(workload: SimWorkload, policy: Policy, config: SimConfig,
                 sv.kv -= int(prompt[r] + output[r])
                 sv.ctx -= int(prompt[r] + output[r])
                 sv.logsum -= workload.log1mp[pick[r]]
+                del sv.joined[r]
                 loads[s] -= 1
                 policy.release(tokens[r])
                 tokens[r] = None

@@ -10,6 +10,12 @@ experts per layer is then the EXPECTED UNION of independent Bernoulli draws,
 ``sum_e (1 - prod_r (1 - p_re))``; the simulator keeps ``sum_r log(1 - p_re)``
 per server, so :data:`SimWorkload.log1mp` stores ``log(1 - p)``.
 
+Replay instead of the approximation: where a trace set was recorded with the expert
+set of every decode step (``tools/record_long_decodes.py``: ``steps.npz``),
+:attr:`SimWorkload.step_experts` holds them ([N, T, L, top_k] expert ids) and the
+simulator takes a batch's TRUE union at every step, request r contributing its
+step ``(steps since it joined) mod T``.
+
 Lengths: the trace's own prompt/output lengths, optionally rescaled to target
 means (the relative spread of the trace is kept); output lengths are at least 2
 so every request has at least one decode step.
@@ -18,12 +24,16 @@ so every request has at least one decode step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from ..core.traces import TraceSet
 
-__all__ = ["SimWorkload", "decode_step_probs", "build_workload", "label_kind_for", "P_MAX"]
+__all__ = ["SimWorkload", "decode_step_probs", "build_workload", "label_kind_for", "load_step_experts",
+           "STEPS_FILE", "P_MAX"]
+
+STEPS_FILE = "steps.npz"  # per-step expert ids next to a trace set's shards
 
 P_MAX = 1.0 - 1e-6  # an expert used in every step still leaves log(1 - p) finite
 
@@ -39,6 +49,7 @@ class SimWorkload:
     labels: np.ndarray  # [N] str, the label the Domain baseline partitions by
     num_experts: int
     top_k: int
+    step_experts: np.ndarray | None = None  # [N, T, L, top_k] recorded expert ids per decode step
 
     def __len__(self) -> int:
         return int(self.prompt_tokens.shape[0])
@@ -78,10 +89,33 @@ def _rescale(lengths: np.ndarray, target_mean: float | None, minimum: int) -> np
     return np.maximum(np.rint(lengths), minimum).astype(np.int64)
 
 
+def load_step_experts(trace_dir: str | Path, traces: TraceSet) -> np.ndarray | None:
+    """The ``steps.npz`` of a trace set ([N, T, L, top_k] uint8), rows in the traces' order;
+    None when the set has none. Raises ValueError when it does not match the traces."""
+    path = Path(trace_dir) / STEPS_FILE
+    if not path.is_file():
+        return None
+    with np.load(path) as z:
+        experts, ids = z["experts"], [str(x) for x in z["request_id"]]
+    m = traces.model
+    if experts.ndim != 4 or experts.shape[2:] != (m.num_layers, m.top_k):
+        raise ValueError(f"{path}: experts has shape {experts.shape}, want [n, T, {m.num_layers}, {m.top_k}]")
+    index = {rid: i for i, rid in enumerate(ids)}
+    missing = [rid for rid in traces.request_ids if str(rid) not in index]
+    if missing:
+        raise ValueError(f"{path}: no step sets for {len(missing)} trace requests (first {missing[0]!r})")
+    if int(experts.max(initial=0)) >= m.num_experts:
+        raise ValueError(f"{path}: expert id {int(experts.max())} >= num_experts {m.num_experts}")
+    return experts[[index[str(rid)] for rid in traces.request_ids]]
+
+
 def build_workload(traces: TraceSet, label_kind: str, name: str = "",
                    mean_prompt_tokens: float | None = None,
-                   mean_output_tokens: float | None = None) -> SimWorkload:
-    """Simulated requests from ``traces`` (lengths rescaled to the given means when set)."""
+                   mean_output_tokens: float | None = None,
+                   step_experts: np.ndarray | None = None) -> SimWorkload:
+    """Simulated requests from ``traces`` (lengths rescaled to the given means when set);
+    ``step_experts`` ([N, T, L, top_k], :func:`load_step_experts`) switches the simulator
+    from the independence approximation to replaying the recorded per-step sets."""
     if label_kind not in traces.labels:
         raise ValueError(f"label kind {label_kind!r} not in the traces' labels {sorted(traces.labels)}")
     return SimWorkload(
@@ -92,4 +126,5 @@ def build_workload(traces: TraceSet, label_kind: str, name: str = "",
         labels=np.asarray(traces.labels[label_kind], dtype=str),
         num_experts=traces.model.num_experts,
         top_k=traces.model.top_k,
+        step_experts=step_experts,
     )
