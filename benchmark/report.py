@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -58,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rescale prompt lengths to this mean (0: the traces' own)")
     ap.add_argument("--mean-output-tokens", type=float, default=300.0,
                     help="rescale output lengths to this mean (0: the traces' own)")
-    ap.add_argument("--seeds", type=int, default=1, help="seeds per run (results averaged)")
+    ap.add_argument("--seeds", type=int, default=1,
+                    help="seeds per run: arrivals and calibration (results: mean and sd over seeds)")
+    ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="simulation processes")
     ap.add_argument("--workloads", default="task,language", help="comma-separated subset of task,language")
     ap.add_argument("--microbench-json", type=Path, nargs="*", default=[],
                     help="extra microbench JSON files to include (e.g. from a GPU run)")
@@ -77,6 +80,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         ap.error("--mean-prompt-tokens and --mean-output-tokens must be >= 0")
     if args.seeds < 1:
         ap.error(f"--seeds must be >= 1, got {args.seeds}")
+    if args.jobs < 1:
+        ap.error(f"--jobs must be >= 1, got {args.jobs}")
     wl = [w.strip() for w in args.workloads.split(",") if w.strip()]
     bad = [w for w in wl if w not in sweeps.WORKLOADS]
     if not wl or bad:
@@ -105,48 +110,65 @@ def run_microbench(quick: bool, out: Path) -> dict:
 
 
 def run_sweeps(args: argparse.Namespace, sweep: sweeps.SweepConfig, work_dir: Path) -> tuple[list[dict], dict]:
-    from tqdm import tqdm
-
+    """Every run of the sweep, each seed with its own arrivals AND its own calibration
+    (K-means seed), in ``--jobs`` processes."""
     sweep = replace(sweep, base=replace(sweep.base, cost=args.cost), seeds=tuple(range(args.seeds)))
     mp = args.mean_prompt_tokens or None
     mo = args.mean_output_tokens or None
-    runs, info = [], {"workloads": {}, "layers": {}}
+    info = {"workloads": {}, "layers": {}}
     plan = sweeps.plan(sweep)
-    for name in args.workload_list:
-        data = sweeps.load_workload(name, args.traces_root, work_dir, sweep, mp, mo)
-        info["workloads"][name] = data.source
-        pools = sorted({c.num_decode for _, _, c, _ in plan})
-        routing = {}
-        for k in tqdm(pools, desc=f"{name}: calibrate K", file=sys.stderr):
-            routing[k] = sweeps.prepare_routing(data, k, work_dir, sweep)
-            info["layers"][f"{name} K={k}"] = routing[k].layers
-        for exp, policy, cfg, tau in tqdm(plan, desc=f"{name}: simulate", file=sys.stderr):
-            row = sweeps.run_one(data, routing[cfg.num_decode], policy, cfg, tau)
-            row["experiment"] = exp
-            runs.append(row)
-        if name == args.workload_list[0]:
-            k, rate, secs = sweep.speed_check
-            cfg = replace(sweep.base, num_decode=k, rate=rate, warmup_s=min(30.0, secs / 5), measure_s=secs - min(30.0, secs / 5))
-            if k not in routing:
-                routing[k] = sweeps.prepare_routing(data, k, work_dir, sweep)
-            t0 = time.perf_counter()
-            row = sweeps.run_one(data, routing[k], "eldr", cfg, sweep.default_tau)
-            info["speed"] = {"num_decode": k, "rate": rate, "seconds": secs, "requests": row["requests"],
-                             "steps": row["steps"], "wall_s": time.perf_counter() - t0, "policy": "eldr"}
+    data = {name: sweeps.load_workload(name, args.traces_root, work_dir, sweep, mp, mo) for name in args.workload_list}
+    for name, d in data.items():
+        info["workloads"][name] = d.source
+    k_speed = sweep.speed_check[0]
+    pools = sorted({c.num_decode for _, _, c, _ in plan} | {k_speed})
+    sweeps.POOL_STATE.update(data=data, work_dir=work_dir, sweep=sweep, routing={})
+    calib = [(name, k, seed) for name in data for k in pools for seed in sweep.seeds]
+    for (name, k, seed), routing in sweeps.pool_map(sweeps.calibrate_task, calib, args.jobs, "calibrate (workload, K, seed)"):
+        sweeps.POOL_STATE["routing"][(name, seed, k)] = routing
+        if seed == 0:
+            info["layers"][f"{name} K={k}"] = routing.layers
+        else:
+            info.setdefault("layers_other_seeds", {})[f"{name} K={k} seed={seed}"] = routing.layers
+    tasks = [(name, exp, policy, cfg, tau) for name in data for exp, policy, cfg, tau in plan]
+    runs = sweeps.pool_map(sweeps.simulate_task, tasks, args.jobs, "simulate")
+    name = args.workload_list[0]
+    k, rate, secs = sweep.speed_check
+    cfg = replace(sweep.base, num_decode=k, rate=rate, warmup_s=min(30.0, secs / 5), measure_s=secs - min(30.0, secs / 5))
+    t0 = time.perf_counter()
+    row = sweeps.run_one(data[name], sweeps.POOL_STATE["routing"][(name, 0, k)], "eldr", cfg, sweep.default_tau)
+    info["speed"] = {"num_decode": k, "rate": rate, "seconds": secs, "requests": row["requests"],
+                     "steps": row["steps"], "wall_s": time.perf_counter() - t0, "policy": "eldr"}
+    sweeps.POOL_STATE.clear()
     info["sweep"] = {k: v for k, v in asdict(sweep).items() if k != "base"}
     info["base_config"] = asdict(sweep.base)
     return runs, info
 
 
 def aggregate(runs: list[dict], **where) -> dict | None:
-    """Mean over seeds of the runs matching ``where``."""
+    """Mean over seeds of the runs matching ``where``; ``<key>_sd``: the sd over seeds."""
     rows = [r for r in runs if all(r.get(k) == v for k, v in where.items())]
     if not rows:
         return None
     keys = [k for k, v in rows[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
     out = {k: float(np.mean([r[k] for r in rows])) for k in keys}
+    out.update({f"{k}_sd": _sd([r[k] for r in rows]) for k in keys})
     out.update({k: rows[0][k] for k in ("workload", "policy", "experiment")})
     return out
+
+
+def _sd(values) -> float:
+    a = np.asarray([v for v in values if v is not None and np.isfinite(v)], dtype=float)
+    return float(a.std(ddof=1)) if a.size > 1 else 0.0
+
+
+def _mean(values) -> float:
+    a = np.asarray([v for v in values if v is not None and np.isfinite(v)], dtype=float)
+    return float(a.mean()) if a.size else float("nan")
+
+
+def seeds_of(runs: list[dict]) -> list[int]:
+    return sorted({r.get("seed", 0) for r in runs})
 
 
 # -- analysis -----------------------------------------------------------------------------------------------
@@ -161,7 +183,20 @@ def main_table(runs, workload, loads, policies) -> dict:
 
 
 def headline(runs, workload, loads) -> dict:
-    """Per load: ELDR / Domain / oracle gains against the best load balancer and Domain."""
+    """Per load: ELDR / Domain / oracle gains against the best load balancer and Domain,
+    computed within each seed, then mean and ``<key>_sd`` over seeds."""
+    per_seed = [_headline_one([r for r in runs if r.get("seed", 0) == s], workload, loads) for s in seeds_of(runs)]
+    out = {}
+    for rate in loads:
+        rows = [h[rate] for h in per_seed if rate in h]
+        if not rows:
+            continue
+        out[rate] = {k: _mean([r.get(k, np.nan) for r in rows]) for k in rows[0]}
+        out[rate].update({f"{k}_sd": _sd([r.get(k, np.nan) for r in rows]) for k in rows[0]})
+    return out
+
+
+def _headline_one(runs, workload, loads) -> dict:
     table = main_table(runs, workload, loads, sweeps.POLICIES)
     out = {}
     for rate in loads:
@@ -177,6 +212,7 @@ def headline(runs, workload, loads) -> dict:
                "eldr_fewer_experts": gain(rr["unique_experts_per_step"], e["unique_experts_per_step"])}
         if d:
             row.update(domain_vs_lb_median=gain(best_med, d["tpot_median_ms"]),
+                       domain_vs_lb_p99=gain(best_p99, d["tpot_p99_ms"]),
                        eldr_vs_domain_median=gain(d["tpot_median_ms"], e["tpot_median_ms"]),
                        eldr_vs_domain_p99=gain(d["tpot_p99_ms"], e["tpot_p99_ms"]),
                        domain_fewer_experts=gain(rr["unique_experts_per_step"], d["unique_experts_per_step"]))
@@ -187,6 +223,37 @@ def headline(runs, workload, loads) -> dict:
                        oracle_fewer_experts=gain(rr["unique_experts_per_step"], o["unique_experts_per_step"]),
                        captured=100.0 * got / reach if reach > 1e-9 else float("nan"))
         out[rate] = row
+    return out
+
+
+def goodput_of(rows: list[dict], target_ms: float) -> tuple[float, str]:
+    """Highest load whose P99 TPOT meets ``target_ms`` (linear between swept loads, at the
+    first crossing); the flag is "" or ">=" (met at every swept load) or "<" (at none)."""
+    rows = sorted(rows, key=lambda r: r["rate"])
+    if not rows or rows[0]["tpot_p99_ms"] > target_ms:
+        return (rows[0]["rate"] if rows else float("nan")), "<"
+    for lo, hi in zip(rows, rows[1:]):
+        if hi["tpot_p99_ms"] > target_ms:
+            f = (target_ms - lo["tpot_p99_ms"]) / (hi["tpot_p99_ms"] - lo["tpot_p99_ms"])
+            return lo["rate"] + f * (hi["rate"] - lo["rate"]), ""
+    return rows[-1]["rate"], ">="
+
+
+def goodput(runs, workload, policies, targets) -> dict:
+    """{(policy, target): (mean, sd, flags)} over seeds, plus ("eldr_vs_best_lb", target) gains
+    computed within each seed."""
+    out = {}
+    for t in targets:
+        per = {p: [goodput_of([r for r in runs if r["experiment"] == "goodput" and r["workload"] == workload
+                               and r["policy"] == p and r.get("seed", 0) == s], t) for s in seeds_of(runs)]
+               for p in policies}
+        for p, vals in per.items():
+            out[(p, t)] = (float(np.mean([v for v, _ in vals])), _sd([v for v, _ in vals]),
+                           "".join(sorted({f for _, f in vals})))
+        lbs = [p for p in policies if p in sweeps.LOAD_BALANCERS]
+        if "eldr" in per and lbs:
+            g = [gain(max(per[p][i][0] for p in lbs), per["eldr"][i][0]) * -1 for i in range(len(per["eldr"]))]
+            out[("eldr_vs_best_lb", t)] = (float(np.mean(g)), _sd(g), "")
     return out
 
 
@@ -295,6 +362,21 @@ def fmt_range(values) -> str:
     return "n/a" if not v else (f"{min(v):.1f}" if len(v) == 1 else f"{min(v):.1f} to {max(v):.1f}")
 
 
+def fmt_spread(head: dict, key: str, seeds: int) -> str:
+    """Range over loads of the seed means, each with its sd over seeds."""
+    vals = sorted((h[key], h.get(f"{key}_sd", 0.0)) for h in head.values() if np.isfinite(h.get(key, np.nan)))
+    if not vals:
+        return "n/a"
+    one = (lambda v: f"{v[0]:.1f} ± {v[1]:.1f}") if seeds > 1 else (lambda v: f"{v[0]:.1f}")  # noqa: E731
+    return one(vals[0]) if len(vals) == 1 else f"{one(vals[0])} to {one(vals[-1])}"
+
+
+def pm(r: dict, key: str, fmt: str = ".2f") -> str:
+    """``mean ± sd`` of an aggregated row (the sd only when there are several seeds)."""
+    sd = r.get(f"{key}_sd", 0.0)
+    return f"{r[key]:{fmt}}" + (f" ± {sd:{fmt}}" if sd else "")
+
+
 def paper_range(key) -> str:
     lo, hi = PAPER[key]
     return f"{lo:g} to {hi:g}"
@@ -339,9 +421,13 @@ def render(args, sweep, runs, info, microbenches, plot_files, command) -> str:
       f"KV transfer {b['kv_transfer_s'] * 1e3:g} ms, seeds {list(sweep.seeds)}")
     w(f"- lengths: prompt/output rescaled to means {args.mean_prompt_tokens:g}/{args.mean_output_tokens:g} "
       "tokens (0 = the traces' own), keeping each trace's relative length")
-    w("- per-step expert sets (not stored in traces) are compressed to per-request per-step probabilities "
+    w("- per-step expert sets (not stored in these traces) are compressed to per-request per-step probabilities "
       "p = decode_counts / decode steps; a batch's distinct experts per layer is the **expected union under "
-      "independence**, sum_e (1 - prod_r (1 - p_re))")
+      "independence**, sum_e (1 - prod_r (1 - p_re)); that approximation is measured against recorded "
+      "per-step sets of 300-step decodes in `benchmark/results/long_decodes.md` "
+      "(`python benchmark/bench_long_decodes.py`)")
+    w(f"- spread: every figure is the mean over {len(sweep.seeds)} seed(s); each seed draws its own arrivals AND "
+      "its own calibration (K-means seed); `±` is the sd over seeds, gains are computed within a seed")
     w("- trace layers -> target layers: each trace layer's distinct-expert **fraction** of its pool is applied "
       "to the target's expert count, and the mean over trace layers stands for every MoE layer of the target")
     w("- ELDR: `python -m eldr_sglang.calibrate` on the calibration split (K = decode servers), evaluation on "
@@ -352,10 +438,11 @@ def render(args, sweep, runs, info, microbenches, plot_files, command) -> str:
       "signatures unchanged (the radix signature cache keeps them exact)\n")
 
     w("## Paper vs simulation (headline)\n")
-    w("| claim | paper | simulated (over loads) |")
+    w("| claim | paper | simulated (over loads; mean ± sd over seeds) |")
     w("|---|---|---|")
     heads = {wl: headline(runs, wl, sweep.loads) for wl in wls}
-    col = lambda wl, key: fmt_range([h.get(key, float("nan")) for h in heads[wl].values()])  # noqa: E731
+    nseeds = len(seeds_of(runs))
+    col = lambda wl, key: fmt_spread(heads[wl], key, nseeds)  # noqa: E731
     if "task" in wls:
         w(f"| task: ELDR median TPOT better than best load balancer (%) | {paper_range('task_eldr_vs_lb_median')} | {col('task', 'eldr_vs_lb_median')} |")
         w(f"| task: ELDR P99 TPOT better than best load balancer (%) | {paper_range('task_eldr_vs_lb_p99')} | {col('task', 'eldr_vs_lb_p99')} |")
@@ -365,11 +452,20 @@ def render(args, sweep, runs, info, microbenches, plot_files, command) -> str:
         w(f"| task: fewer distinct experts, grouped vs mixed (%) | {paper_range('fewer_experts_task')} (same-task batches) | ELDR {col('task', 'eldr_fewer_experts')}, Domain {col('task', 'domain_fewer_experts')} vs round robin |")
     if "language" in wls:
         w(f"| language: ELDR median better than best load balancer (%) | {paper_range('language_eldr_vs_lb_median')} | {col('language', 'eldr_vs_lb_median')} |")
+        w(f"| language: ELDR P99 TPOT better than best load balancer (%) | (not in paper) | {col('language', 'eldr_vs_lb_p99')} |")
         w(f"| language: ELDR median better than Domain (%) | {paper_range('language_eldr_vs_domain_median')} | {col('language', 'eldr_vs_domain_median')} |")
         w(f"| language: ELDR P99 better than Domain (%) | {paper_range('language_eldr_vs_domain_p99')} | {col('language', 'eldr_vs_domain_p99')} |")
         w(f"| language: fewer distinct experts, grouped vs mixed (%) | {paper_range('fewer_experts_language')} (same-language batches) | ELDR {col('language', 'eldr_fewer_experts')}, Domain {col('language', 'domain_fewer_experts')} vs round robin |")
     for wl in wls:
         w(f"| {wl}: share of the oracle grouping's expert reduction that ELDR captures (%) | (not in paper) | {col(wl, 'captured')} |")
+    goods = {wl: goodput(runs, wl, sweep.goodput_policies, sweep.goodput_targets_ms) for wl in wls}
+    for t in sweep.goodput_targets_ms:
+        cells = []
+        for wl in wls:
+            m, sd, _ = goods[wl].get(("eldr_vs_best_lb", t), (float("nan"), 0.0, ""))
+            cells.append(f"{wl} {m:.1f}" + (f" ± {sd:.1f}" if nseeds > 1 else ""))
+        w(f"| goodput (highest req/s with P99 TPOT <= {t:g} ms): ELDR vs best load balancer (%) | (not in paper) | "
+          f"{', '.join(cells)} |")
     for k in sweep.pools:
         sim = ", ".join(f"{wl} {pool_gain(runs, wl, k):.1f}" for wl in wls)
         w(f"| median TPOT gain over round robin, {k} decode servers (%) | {PAPER['pool_gain'].get(k, 'n/a')} | {sim} |")
@@ -381,19 +477,21 @@ def render(args, sweep, runs, info, microbenches, plot_files, command) -> str:
         w("| req/s | policy | median TPOT ms | P99 TPOT ms | median TTFT ms | P99 TTFT ms | distinct experts/step/layer | mean batch | load CV | max/mean load | tokens/s |")
         w("|---|---|---|---|---|---|---|---|---|---|---|")
         for (rate, pol), r in main_table(runs, wl, sweep.loads, sweep.policies).items():
-            w(f"| {rate:g} | {pol} | {r['tpot_median_ms']:.2f} | {r['tpot_p99_ms']:.2f} | {r['ttft_median_ms']:.1f} | "
+            w(f"| {rate:g} | {pol} | {pm(r, 'tpot_median_ms')} | {pm(r, 'tpot_p99_ms')} | {r['ttft_median_ms']:.1f} | "
               f"{r['ttft_p99_ms']:.1f} | {r['unique_experts_per_step']:.1f} | {r['mean_batch']:.1f} | "
               f"{r['load_cv']:.3f} | {r['load_max_over_mean']:.2f} | {r['throughput_tokens_s']:.0f} |")
         w("")
         w("| req/s | ELDR vs best LB median % | ELDR vs best LB P99 % | ELDR vs Domain median % | ELDR vs Domain P99 % | oracle vs best LB median % | expert reduction captured % |")
         w("|---|---|---|---|---|---|---|")
         for rate, h in heads[wl].items():
-            g = lambda k: f"{h.get(k, float('nan')):.1f}"  # noqa: E731
+            g = lambda k: f"{h.get(k, float('nan')):.1f}" + (f" ± {h.get(k + '_sd', 0.0):.1f}" if nseeds > 1 else "")  # noqa: E731
             w(f"| {rate:g} | {g('eldr_vs_lb_median')} | {g('eldr_vs_lb_p99')} | {g('eldr_vs_domain_median')} | "
               f"{g('eldr_vs_domain_p99')} | {g('oracle_vs_lb_median')} | {g('captured')} |")
         w("")
     w("![TPOT vs load](results/tpot_vs_load.png)\n")
     w("![distinct experts](results/unique_experts.png)\n")
+    if sweep.goodput_rates:
+        render_goodput(w, runs, sweep, wls, goods, nseeds)
 
     w(f"## tau sweep (ELDR, {sweep.tau_rate:g} req/s, {sweep.main_decode} decode; simulated)\n")
     w("| workload | tau | median TPOT ms | P99 TPOT ms | distinct experts/step/layer | load CV |")
@@ -464,6 +562,37 @@ def render(args, sweep, runs, info, microbenches, plot_files, command) -> str:
           f"({sp['requests']} requests, {sp['steps']} measured decode steps, policy {sp['policy']}): "
           f"**{sp['wall_s']:.1f} s** wall on this machine.\n")
     return "\n".join(L) + "\n"
+
+
+def render_goodput(w, runs, sweep, wls, goods, nseeds) -> None:
+    warm, window = sweep.goodput_window
+    w("## Goodput up to saturation (simulated)\n")
+    w(f"{sweep.main_decode} decode servers, {sweep.goodput_prefill} prefill servers (enough that prefill is never "
+      f"the bottleneck), loads {', '.join(f'{r:g}' for r in sweep.goodput_rates)} req/s, warm-up {warm:g} s, "
+      f"measured {window:g} s, max batch {sweep.base.max_batch}. Goodput = the highest load whose P99 TPOT meets "
+      "the target (linear between swept loads, at the first crossing); `>=` = met at every swept load, "
+      "`<` = at none. TPOT includes waiting for a decode batch slot, so a saturated server shows in it.\n")
+    w("| workload | policy | " + " | ".join(f"goodput req/s, P99 TPOT <= {t:g} ms" for t in sweep.goodput_targets_ms)
+      + " |")
+    w("|---|---|" + "---|" * len(sweep.goodput_targets_ms))
+    for wl in wls:
+        for p in sweep.goodput_policies:
+            cells = []
+            for t in sweep.goodput_targets_ms:
+                m, sd, flag = goods[wl][(p, t)]
+                cells.append(f"{flag}{m:.0f}" + (f" ± {sd:.0f}" if nseeds > 1 else ""))
+            w(f"| {wl} | {p} | " + " | ".join(cells) + " |")
+    w("")
+    w("| workload | req/s | policy | median TPOT ms | P99 TPOT ms | P99 TTFT ms | mean batch | max/mean load |")
+    w("|---|---|---|---|---|---|---|---|")
+    for wl in wls:
+        for rate in sweep.goodput_rates:
+            for p in sweep.goodput_policies:
+                r = aggregate(runs, experiment="goodput", workload=wl, rate=rate, policy=p)
+                if r:
+                    w(f"| {wl} | {rate:g} | {p} | {pm(r, 'tpot_median_ms')} | {pm(r, 'tpot_p99_ms')} | "
+                      f"{r['ttft_p99_ms']:.1f} | {r['mean_batch']:.1f} | {r['load_max_over_mean']:.2f} |")
+    w("")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,6 +9,7 @@ grouping, the Domain map); runs use :func:`eldr_sglang.sim.simulator.simulate`.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -54,6 +55,13 @@ class SweepConfig:
     seeds: tuple[int, ...] = (0,)
     calib_pairs: int = 20_000
     calib_n_init: int = 3
+    # goodput: loads up to decode saturation (batches of 64-256 per server); prefill is
+    # scaled out so that it never is the bottleneck, and shorter windows keep it affordable
+    goodput_rates: tuple[float, ...] = ()
+    goodput_policies: tuple[str, ...] = ("round_robin", "jsq", "domain", "eldr")
+    goodput_prefill: int = 24
+    goodput_window: tuple[float, float] = (20.0, 40.0)  # (warm-up s, measured s)
+    goodput_targets_ms: tuple[float, ...] = ()  # P99 TPOT targets
 
 
 FULL = SweepConfig(
@@ -65,6 +73,8 @@ FULL = SweepConfig(
     prefix_fraction=0.5, prefix_rate=80.0, prefix_policies=("round_robin", "jsq", "eldr"),
     speed_check=(24, 100.0, 150.0),
     synthetic=dict(n_requests=8000, num_layers=8, num_experts=128, top_k=8, n_informative=4),
+    goodput_rates=(100.0, 200.0, 300.0, 350.0, 400.0, 450.0, 500.0, 550.0, 600.0),
+    goodput_targets_ms=(25.0, 40.0),
 )
 
 QUICK = SweepConfig(
@@ -77,6 +87,8 @@ QUICK = SweepConfig(
     speed_check=(4, 8.0, 10.0),
     synthetic=dict(n_requests=600, num_layers=4, num_experts=32, top_k=4, n_informative=2),
     calib_pairs=2000, calib_n_init=1,
+    goodput_rates=(8.0, 16.0, 32.0), goodput_policies=("round_robin", "eldr"), goodput_prefill=4,
+    goodput_window=(2.0, 6.0), goodput_targets_ms=(15.0,),
 )
 
 
@@ -128,7 +140,7 @@ class Routing:
 
 
 def prepare_routing(data: WorkloadData, clusters: int, work_dir: Path, sweep: SweepConfig, seed: int = 0) -> Routing:
-    out = work_dir / "artifacts" / f"{data.name}-K{clusters}.json"
+    out = work_dir / "artifacts" / f"{data.name}-K{clusters}-seed{seed}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     art = calibrate_artifact(data.calib_dir, clusters, out, seed=seed, pairs=sweep.calib_pairs,
                              n_init=sweep.calib_n_init, log=out.with_suffix(".log"))
@@ -170,4 +182,37 @@ def plan(sweep: SweepConfig) -> list[tuple[str, str, SimConfig, float]]:
         for frac in (0.0, sweep.prefix_fraction):
             cfg = replace(b, rate=sweep.prefix_rate, prefix_cached_fraction=frac)
             runs += [("prefix", p, cfg, sweep.default_tau) for p in sweep.prefix_policies]
+        warm, window = sweep.goodput_window
+        for rate in sweep.goodput_rates:
+            cfg = replace(b, rate=rate, num_prefill=sweep.goodput_prefill, warmup_s=warm, measure_s=window)
+            runs += [("goodput", p, cfg, sweep.default_tau) for p in sweep.goodput_policies]
     return runs
+
+
+POOL_STATE: dict = {}  # what forked workers read: workload data and routing per (seed, K)
+
+
+def calibrate_task(task: tuple[str, int, int]):
+    name, k, seed = task
+    st = POOL_STATE
+    return task, prepare_routing(st["data"][name], k, st["work_dir"], st["sweep"], seed=seed)
+
+
+def simulate_task(task: tuple[str, str, str, object, float]) -> dict:
+    name, exp, policy, cfg, tau = task
+    st = POOL_STATE
+    row = run_one(st["data"][name], st["routing"][(name, cfg.seed, cfg.num_decode)], policy, cfg, tau)
+    row["experiment"] = exp
+    return row
+
+
+def pool_map(fn, tasks: list, jobs: int, desc: str):
+    """``fn`` over ``tasks`` in ``jobs`` forked processes (in order), with a progress bar."""
+    import multiprocessing
+
+    from tqdm import tqdm
+
+    if jobs <= 1:
+        return [fn(t) for t in tqdm(tasks, desc=desc, file=sys.stderr)]
+    with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        return list(tqdm(pool.imap(fn, tasks, chunksize=1), total=len(tasks), desc=desc, file=sys.stderr))
