@@ -35,25 +35,13 @@ sys.path.insert(0, str(HERE))  # sibling module sweeps
 
 import sweeps  # noqa: E402
 from eldr_sglang.core.policies import make_policy  # noqa: E402
+from eldr_sglang.core.step_sets import independent_distinct, load_step_experts, true_distinct  # noqa: E402
 from eldr_sglang.core.traces import load_traces  # noqa: E402
 from eldr_sglang.sim.simulator import SimConfig, simulate  # noqa: E402
-from eldr_sglang.sim.workload import build_workload, decode_step_probs, label_kind_for, load_step_experts  # noqa: E402
+from eldr_sglang.sim.workload import build_workload, decode_step_probs, label_kind_for  # noqa: E402
 
 BATCHES = (4, 16, 64, 128, 256)
 GROUPINGS = ("mixed", "eldr", "label")
-
-
-def true_distinct(steps: np.ndarray, rows: np.ndarray, at: np.ndarray, num_experts: int) -> np.ndarray:
-    """[L] distinct experts of one batch: request rows[i] at its decode step at[i]."""
-    ids = steps[rows, at]  # [b, L, k]
-    L = ids.shape[1]
-    flat = ids.astype(np.int64) + (np.arange(L) * num_experts)[None, :, None]
-    return (np.bincount(flat.ravel(), minlength=L * num_experts) > 0).reshape(L, num_experts).sum(axis=1)
-
-
-def independent_distinct(p: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """[L] expected distinct experts under independence."""
-    return (1.0 - np.prod(1.0 - p[rows], axis=0)).sum(axis=1)
 
 
 def batch_rows(grouping: str, b: int, groups: dict[str, np.ndarray], n: int, rng: np.random.Generator) -> np.ndarray:

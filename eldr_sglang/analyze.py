@@ -5,9 +5,12 @@
 Reports (1) Pearson correlation of each request's prefill and decode counts
 (flattened [L, E]), mean and std over requests; (2) for each of the six signature
 variants (all layers, or ``--layers``), Spearman rho between pairwise signature
-cosine and decode weighted Jaccard on sampled pairs; (3) per label kind, unique
-decode experts of same-label batches vs random mixed batches of equal size (unique
-experts = size of the union of decode-active experts per layer, summed over layers).
+cosine and decode weighted Jaccard on sampled pairs; (3) per label kind, same-label batches vs random mixed batches of equal size, two
+measures: over the WHOLE decode (the union of every expert any request used in any
+decode step, summed over layers) and PER STEP, the paper's measure (distinct experts
+of one decode step per layer, each request at a random step of its own): exact where
+the trace directory holds recorded per-step sets (``steps.npz``), otherwise the
+expectation under independence from the per-request counts (marked as estimated).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .core.step_sets import decode_step_probs, independent_distinct, load_step_experts, true_distinct
 from .core.traces import TraceSet, load_traces
 from .core.variants import variant_rho_table
 
@@ -61,9 +65,21 @@ def unique_experts(decode_counts: np.ndarray, batch: np.ndarray) -> int:
     return int((decode_counts[batch] > 0).any(axis=0).sum())
 
 
-def batch_locality(traces: TraceSet, batch_size: int, n_batches: int, seed: int) -> dict:
+def per_step_distinct(traces: TraceSet, batch: np.ndarray, rng: np.random.Generator,
+                      steps: np.ndarray | None, p: np.ndarray) -> float:
+    """Distinct experts of one decode step, mean over layers: each request at a random step
+    (exact with recorded ``steps``, else the independence estimate)."""
+    if steps is not None:
+        at = rng.integers(0, steps.shape[1], len(batch))
+        return float(true_distinct(steps, batch, at, traces.model.num_experts).mean())
+    return float(independent_distinct(p, batch).mean())
+
+
+def batch_locality(traces: TraceSet, batch_size: int, n_batches: int, seed: int,
+                   steps: np.ndarray | None = None) -> dict:
     """Same-label vs mixed batches, per label kind (labels with >= batch_size requests)."""
     rng = np.random.default_rng(seed)
+    p = decode_step_probs(traces) if steps is None else None
     out = {}
     for kind, values in sorted(traces.labels.items()):
         names, counts = np.unique(values[values != ""], return_counts=True)
@@ -74,13 +90,19 @@ def batch_locality(traces: TraceSet, batch_size: int, n_batches: int, seed: int)
         pool = np.flatnonzero(np.isin(values, eligible))
         weights = counts[counts >= batch_size] / counts[counts >= batch_size].sum()
         members = {name: np.flatnonzero(values == name) for name in eligible}
-        same = [unique_experts(traces.decode_counts, rng.choice(members[rng.choice(eligible, p=weights)],
-                                                                batch_size, replace=False))
-                for _ in range(n_batches)]
-        mixed = [unique_experts(traces.decode_counts, rng.choice(pool, batch_size, replace=False))
-                 for _ in range(n_batches)]
+        same_rows = [rng.choice(members[rng.choice(eligible, p=weights)], batch_size, replace=False)
+                     for _ in range(n_batches)]
+        mixed_rows = [rng.choice(pool, batch_size, replace=False) for _ in range(n_batches)]
+        same = [unique_experts(traces.decode_counts, b) for b in same_rows]
+        mixed = [unique_experts(traces.decode_counts, b) for b in mixed_rows]
+        step_same = [per_step_distinct(traces, b, rng, steps, p) for b in same_rows]
+        step_mixed = [per_step_distinct(traces, b, rng, steps, p) for b in mixed_rows]
         out[kind] = {"labels": eligible.tolist(), "same_label": float(np.mean(same)), "mixed": float(np.mean(mixed)),
-                     "reduction": float(1.0 - np.mean(same) / np.mean(mixed))}
+                     "reduction": float(1.0 - np.mean(same) / np.mean(mixed)),
+                     "per_step": {"same_label": float(np.mean(step_same)), "mixed": float(np.mean(step_mixed)),
+                                  "reduction": float(1.0 - np.mean(step_same) / np.mean(step_mixed)),
+                                  "source": "recorded per-step sets" if steps is not None
+                                  else "estimated (independence)"}}
     return out
 
 
@@ -98,6 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             layers = _parse_layers(args.layers, traces.model.num_layers)
         if len(traces) < 2:
             raise ValueError(f"--traces holds {len(traces)} request(s); need at least 2")
+        steps = load_step_experts(args.traces[0], traces) if len(args.traces) == 1 else None
     except ValueError as exc:
         ap.error(str(exc))
     m = traces.model
@@ -116,16 +139,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         cells = ("n/a", "n/a") if row is None else (f"{row['counts']:.3f}", f"{row['profile']:.3f}")
         print(f"  {variant:<11s} {cells[0]:>8s} {cells[1]:>8s}")
 
-    locality = batch_locality(traces, args.batch_size, args.batches, args.seed)
-    print(f"\nunique decode experts per batch of {args.batch_size} (sum over layers), {args.batches} batches each:")
+    locality = batch_locality(traces, args.batch_size, args.batches, args.seed, steps)
+    print(f"\nbatches of {args.batch_size}, {args.batches} each: unique decode experts over the whole decode "
+          "(sum over layers) | distinct experts per decode step (mean over layers, "
+          f"{'recorded per-step sets' if steps is not None else 'ESTIMATED under independence: no steps.npz'})")
     if not locality:
         print("  no labels in the traces")
     for kind, row in locality.items():
         if row is None:
             print(f"  {kind:<9s} fewer than 2 labels with >= {args.batch_size} requests")
             continue
+        ps = row["per_step"]
         print(f"  {kind:<9s} same-label {row['same_label']:8.1f}  mixed {row['mixed']:8.1f}  "
-              f"reduction {100 * row['reduction']:5.1f}%  ({', '.join(row['labels'])})")
+              f"reduction {100 * row['reduction']:5.1f}%  | per step: same-label {ps['same_label']:6.1f}  "
+              f"mixed {ps['mixed']:6.1f}  reduction {100 * ps['reduction']:5.1f}%  ({', '.join(row['labels'])})")
 
     if args.json:
         report = {"model": m.to_dict(), "n_requests": len(traces),

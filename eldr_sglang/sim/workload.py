@@ -24,18 +24,14 @@ so every request has at least one decode step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
+from ..core.step_sets import P_MAX, STEPS_FILE, decode_step_probs, load_step_experts
 from ..core.traces import TraceSet
 
 __all__ = ["SimWorkload", "decode_step_probs", "build_workload", "label_kind_for", "load_step_experts",
            "STEPS_FILE", "P_MAX"]
-
-STEPS_FILE = "steps.npz"  # per-step expert ids next to a trace set's shards
-
-P_MAX = 1.0 - 1e-6  # an expert used in every step still leaves log(1 - p) finite
 
 
 @dataclass
@@ -63,15 +59,6 @@ class SimWorkload:
         return float((1.0 - np.exp(self.log1mp)).sum(axis=2).mean() / self.num_experts)
 
 
-def decode_step_probs(traces: TraceSet) -> np.ndarray:
-    """[N, L, E] probability that one decode step of request n uses expert e at layer l."""
-    counts = traces.decode_counts.astype(np.float64)
-    L, k = traces.model.num_layers, traces.model.top_k
-    steps = np.maximum(counts.sum(axis=(1, 2)) / (L * k), counts.max(axis=(1, 2)))
-    steps = np.maximum(steps, 1.0)
-    return np.minimum(counts / steps[:, None, None], P_MAX)
-
-
 def label_kind_for(traces: TraceSet, workload: str) -> str:
     """The label kind the Domain baseline uses: "language" for the language workload,
     else "domain" (or "task", the synthetic traces' name for it)."""
@@ -87,26 +74,6 @@ def _rescale(lengths: np.ndarray, target_mean: float | None, minimum: int) -> np
     if target_mean:
         lengths = lengths * (target_mean / max(lengths.mean(), 1e-9))
     return np.maximum(np.rint(lengths), minimum).astype(np.int64)
-
-
-def load_step_experts(trace_dir: str | Path, traces: TraceSet) -> np.ndarray | None:
-    """The ``steps.npz`` of a trace set ([N, T, L, top_k] uint8), rows in the traces' order;
-    None when the set has none. Raises ValueError when it does not match the traces."""
-    path = Path(trace_dir) / STEPS_FILE
-    if not path.is_file():
-        return None
-    with np.load(path) as z:
-        experts, ids = z["experts"], [str(x) for x in z["request_id"]]
-    m = traces.model
-    if experts.ndim != 4 or experts.shape[2:] != (m.num_layers, m.top_k):
-        raise ValueError(f"{path}: experts has shape {experts.shape}, want [n, T, {m.num_layers}, {m.top_k}]")
-    index = {rid: i for i, rid in enumerate(ids)}
-    missing = [rid for rid in traces.request_ids if str(rid) not in index]
-    if missing:
-        raise ValueError(f"{path}: no step sets for {len(missing)} trace requests (first {missing[0]!r})")
-    if int(experts.max(initial=0)) >= m.num_experts:
-        raise ValueError(f"{path}: expert id {int(experts.max())} >= num_experts {m.num_experts}")
-    return experts[[index[str(rid)] for rid in traces.request_ids]]
 
 
 def build_workload(traces: TraceSet, label_kind: str, name: str = "",
