@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SPECIALISATION = ROOT / "models" / "eldr-tiny-moe" / "specialisation.json"
+SPECIALISATION_MODELS = [ROOT / "models" / "eldr-tiny-moe", ROOT / "models" / "eldr-moe-12l"]
 PAPER_REDUCTION = {"task": "17-21 (same-task batches)", "language": "3-10 (same-language batches)"}
 
 
@@ -49,18 +49,60 @@ def trace_section(traces_root: Path, workloads: list[str]) -> list[str]:
             "|---|---|---|---|---|---|---|", *rows, ""]
 
 
-def specialisation_section() -> list[str]:
-    if not SPECIALISATION.is_file():
+def specialisation_section(models: list[Path] | None = None) -> list[str]:
+    """Routing specialisation of each trained model that has a ``specialisation.json``."""
+    found = [(m, json.loads((m / "specialisation.json").read_text())) for m in (models or SPECIALISATION_MODELS)
+             if (m / "specialisation.json").is_file()]
+    if not found:
         return []
-    s = json.loads(SPECIALISATION.read_text())
-    rows = [f"| {k} | {s['trained'][f'accuracy_{k}']:.3f} | {s['untrained'][f'accuracy_{k}']:.3f} "
-            f"| {s['chance'][k]:.3f} |" for k in ("language", "domain", "cell")]
-    rows.append(f"| prefill/decode Pearson | {s['trained']['prefill_decode_pearson']:.3f} "
-                f"| {s['untrained']['prefill_decode_pearson']:.3f} | |")
-    return ["## MEASURED: does the trained model's routing specialise?\n",
-            f"Nearest-centroid accuracy of held-out documents' expert-usage vectors (`{s['command']}`; "
-            f"{s['trained']['eval_docs']} evaluation documents):\n",
-            "| by | trained | untrained (same architecture) | chance |", "|---|---|---|---|", *rows, ""]
+    lines = ["## MEASURED: does the trained model's routing specialise?\n",
+             "Nearest-centroid accuracy of held-out documents' expert-usage vectors (centroids from the corpus' "
+             "calib split, accuracy on its eval split; documents of one source never in both), trained vs the "
+             "same architecture with untrained weights:\n",
+             "| model | layers | by | trained | untrained | chance |", "|---|---|---|---|---|---|"]
+    width = max(len(s["trained"].get("per_layer", {}).get("language", [])) for _, s in found)
+    for m, s in found:
+        layers = len(s["trained"].get("per_layer", {}).get("language", [])) or "?"
+        for k in ("language", "domain", "cell"):
+            lines.append(f"| {m.name} | {layers} | {k} | {s['trained'][f'accuracy_{k}']:.3f} | "
+                         f"{s['untrained'][f'accuracy_{k}']:.3f} | {s['chance'][k]:.3f} |")
+        lines.append(f"| {m.name} | {layers} | prefill/decode Pearson | {s['trained']['prefill_decode_pearson']:.3f} "
+                     f"| {s['untrained']['prefill_decode_pearson']:.3f} | |")
+    if width:
+        lines += ["", "Per layer (that layer's signature alone; trained / untrained):", "",
+                  "| model | by | " + " | ".join(f"L{i}" for i in range(width)) + " |",
+                  "|---|---|" + "---|" * width]
+        for m, s in found:
+            for k in ("language", "domain"):
+                tr, un = s["trained"].get("per_layer", {}).get(k), s["untrained"].get("per_layer", {}).get(k)
+                if tr and un:
+                    lines.append(f"| {m.name} | {k} | " + " | ".join(f"{a:.2f} / {b:.2f}" for a, b in zip(tr, un))
+                                 + " |" * (width - len(tr) + 1))
+    lines += ["", "Commands: " + "; ".join(f"`{s['command']}`" for _, s in found), ""]
+    return lines
+
+
+def real_cpu_table(r: dict) -> list[str]:
+    """The per-path table of ``benchmark/bench_real_cpu.py``'s JSON (median and min-max over rounds)."""
+    base = r["equal_batch_base"]
+    eb = r["equal_batch"].get("vs_" + base.replace("/", "_"), {})
+    lines = ["| path | median TPOT ms | P99 TPOT ms | median TTFT ms | output tok/s | distinct experts per decode "
+             f"step | same, at equal batch size: vs {base} (%) | mean batch | max/mean tokens per decode server |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, s in r["summary"].items():
+        def cell(k, f=".0f", s=s):
+            return f"{s[k]['median']:{f}} ({s[k]['min']:{f}}-{s[k]['max']:{f}})" if k in s else "n/a"
+        lines.append(f"| {name} | {cell('median_tpot_ms')} | {cell('p99_tpot_ms')} | {cell('median_ttft_ms')} | "
+                     f"{cell('output_throughput', '.1f')} | {cell('distinct_experts_per_step', '.1f')} | "
+                     f"{eb.get(name, float('nan')):+.1f} | {cell('mean_batch', '.2f')} | "
+                     f"{cell('token_max_over_mean', '.2f')} |")
+    fit = r.get("step_time_fit")
+    if fit:
+        lines += ["", f"Decode forward time on this CPU (least squares over {fit['steps']} steps, R^2 "
+                  f"{fit['r2']:.2f}): {fit['intercept_ms']:.1f} ms + {fit['ms_per_sequence']:.2f} ms per sequence "
+                  f"in the batch + {fit['ms_per_distinct_expert']:.3f} ms per distinct expert (summed over layers); "
+                  f"mean {fit['mean_forward_ms']:.1f} ms a step."]
+    return lines
 
 
 def real_cpu_section(results_dir: Path) -> list[str]:
@@ -68,17 +110,15 @@ def real_cpu_section(results_dir: Path) -> list[str]:
     if not path.is_file():
         return []
     r = json.loads(path.read_text())
-    rows = [f"| {run['router']} | {run['completed']} | {run['median_tpot_ms']:.1f} | {run['p99_tpot_ms']:.1f} "
-            f"| {run['median_ttft_ms']:.0f} | {run['distinct_experts_per_step']:.1f} | {run['decode_steps']:.0f} |"
-            for run in r["runs"]]
+    if "summary" not in r:  # an older single-run file
+        return []
     return ["## MEASURED: real SGLang PD cluster on CPU, bench_serving through each router\n",
             f"`{r['command']}`: 1 prefill + {r['decodes']} decode real SGLang CPU servers, trained tiny MoE, "
-            f"`sglang.bench_serving --dataset-name custom` on `{r['dataset']}` ({r['num_prompts']} prompts, "
-            f"{r['output_len']} output tokens, {r['request_rate']} req/s). {r['measured']}. Distinct experts per "
-            "decode step are summed over the 4 MoE layers, measured inside the decode servers; they also grow "
-            "with batch size, which the policies change.\n",
-            "| router/policy | completed | median TPOT ms | P99 TPOT ms | median TTFT ms "
-            "| distinct experts per decode step | decode steps |", "|---|---|---|---|---|---|---|", *rows, ""]
+            f"unmodified `sglang.bench_serving --dataset-name custom` on `{r['dataset']}` ({r['num_prompts']} "
+            f"prompts, {r['output_len']} output tokens, {r['request_rate']} req/s), {r['repeats']} rounds with the "
+            f"paths interleaved (median and min-max over rounds). {r['measured']}. Distinct experts per decode step "
+            "are summed over the model's MoE layers, measured inside the decode servers; they grow with batch size, "
+            "which the policies change, hence the equal-batch column.\n", *real_cpu_table(r), ""]
 
 
 def state_aware_section(results_dir: Path) -> list[str]:

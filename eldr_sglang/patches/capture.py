@@ -19,6 +19,8 @@ the state in :mod:`~eldr_sglang.patches.state`.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from eldr_sglang.patches import state as engine
@@ -50,6 +52,7 @@ def forward_around(original, model_runner, forward_batch, *args, **kwargs):
         state.forward_batch = forward_batch
     except Exception as exc:
         state.fail_once("initialisation", exc)
+    started = time.perf_counter()
     try:
         return original(model_runner, forward_batch, *args, **kwargs)
     finally:
@@ -60,8 +63,11 @@ def forward_around(original, model_runner, forward_batch, *args, **kwargs):
                 d = state.decode
                 d.unique_total += d.active.sum()
                 if state.trace_writer is not None:
+                    # forward_ms: host time of the forward call (the whole step on CPU; on a GPU
+                    # only the launch, as nothing here waits for the device)
                     state.trace_writer.write("steps", {"batch_size": int(forward_batch.batch_size),
-                                                       "unique_per_layer": d.active.sum(dim=1).tolist()})
+                                                       "unique_per_layer": d.active.sum(dim=1).tolist(),
+                                                       "forward_ms": round(1e3 * (time.perf_counter() - started), 3)})
                 d.active.zero_()
                 d.steps += 1
                 d.tokens += int(forward_batch.batch_size)

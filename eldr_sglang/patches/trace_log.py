@@ -6,8 +6,8 @@
   computed prompt tokens;
 * ``decode-<pid>.jsonl`` (decode servers): rid, bootstrap_room, prompt_tokens,
   output_tokens, ``decode_counts`` [L, E];
-* ``steps-<pid>.jsonl`` (decode servers): batch size and distinct experts per
-  layer of every decode step.
+* ``steps-<pid>.jsonl`` (decode servers): batch size, distinct experts per
+  layer and the forward call's host time (``forward_ms``) of every decode step.
 
 ``python -m eldr_sglang.collect_traces`` joins them by rid into the calibration
 core's trace shards. Writes happen on a daemon thread; the scheduler only
