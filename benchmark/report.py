@@ -1,6 +1,6 @@
 """Regenerate benchmark/RESULTS.md and its plots: SIMULATED paper-scale evaluation.
 
-    python benchmark/report.py            # full configuration (8P16D, 20-100 req/s, 30 s + 120 s)
+    python benchmark/report.py            # full configuration (8P16D, 20-100 req/s, 20 s + 60 s, goodput to 600 req/s)
     python benchmark/report.py --quick    # tiny configuration (seconds; CI)
 
 Runs the MoE-layer microbenchmark (measured, on this machine's CPU), the sweeps of
@@ -59,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rescale prompt lengths to this mean (0: the traces' own)")
     ap.add_argument("--mean-output-tokens", type=float, default=300.0,
                     help="rescale output lengths to this mean (0: the traces' own)")
-    ap.add_argument("--seeds", type=int, default=1,
-                    help="seeds per run: arrivals and calibration (results: mean and sd over seeds)")
+    ap.add_argument("--seeds", type=int, default=None,
+                    help="seeds per run: arrivals and calibration (results: mean and sd over seeds; "
+                         "default 5, with --quick 1)")
     ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="simulation processes")
     ap.add_argument("--workloads", default="task,language", help="comma-separated subset of task,language")
     ap.add_argument("--microbench-json", type=Path, nargs="*", default=[],
@@ -78,6 +79,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         ap.error(f"--cost {args.cost!r} unknown; valid: {', '.join(PARAM_SETS)}")
     if args.mean_prompt_tokens < 0 or args.mean_output_tokens < 0:
         ap.error("--mean-prompt-tokens and --mean-output-tokens must be >= 0")
+    if args.seeds is None:
+        args.seeds = 1 if args.quick else 5
     if args.seeds < 1:
         ap.error(f"--seeds must be >= 1, got {args.seeds}")
     if args.jobs < 1:
@@ -620,7 +623,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if work_ctx:
             work_ctx.cleanup()
-    used = sweep if args.seeds == 1 else replace(sweep, seeds=tuple(range(args.seeds)))
+    used = replace(sweep, seeds=tuple(seeds_of(runs)))
     if args.from_runs is None:
         (res_dir / "runs.json").write_text(json.dumps({"simulated": True, "command": command, "info": info,
                                                       "runs": runs}, indent=1) + "\n")

@@ -66,7 +66,7 @@ class SweepConfig:
 
 FULL = SweepConfig(
     name="full",
-    base=SimConfig(num_prefill=8, num_decode=16, warmup_s=30.0, measure_s=120.0),
+    base=SimConfig(num_prefill=8, num_decode=16, warmup_s=20.0, measure_s=60.0),
     loads=(20.0, 40.0, 60.0, 80.0, 100.0), policies=POLICIES, main_decode=16,
     pools=(8, 16, 24), pool_rate_per_server=5.0,
     taus=(0.0, 0.05, 0.1, 0.2, 0.5, 1.0), tau_rate=80.0, default_tau=0.1,
