@@ -4,7 +4,9 @@ For held-out corpus documents, the per-document expert-usage vector (top-k count
 over all layers, IDF-weighted, L2-normalised: the ELDR signature over every
 layer) is classified by nearest centroid (centroids from the ``calib`` split,
 tested on the ``eval`` split) by language, by domain and by (domain, language),
-for the trained model and for the same architecture with untrained weights. Also
+for the trained model and for the same architecture with untrained weights; and
+leave-one-out over both splits together (each document against centroids
+computed without it), over all layers and for every layer alone. Also
 the paper's Pearson correlation between a request's prefill and decode expert
 activation (greedy decode of ``--decode-tokens`` tokens)::
 
@@ -114,16 +116,30 @@ def expert_counts_positions(model, ids: torch.Tensor, top_k: int, start: int) ->
     return torch.stack(per_layer, dim=1).numpy()
 
 
-def per_layer_accuracy(c_counts: np.ndarray, e_counts: np.ndarray, c_docs: list[dict],
-                       e_docs: list[dict]) -> dict[str, list[float]]:
-    """Held-out accuracy by language and by domain from one layer's signature alone."""
+def loo_accuracy(x: np.ndarray, labels: list[str]) -> float:
+    """Leave-one-out nearest-centroid accuracy: each unit row ``x[i]`` against the class
+    centroids, its own class's centroid computed without it (cosine)."""
+    y = np.array(labels)
+    classes = sorted(set(labels))
+    idx = np.searchsorted(classes, y)
+    sums = np.stack([x[y == c].sum(axis=0) for c in classes])  # [k, D]
+    counts = np.bincount(idx, minlength=len(classes)).astype(float)
+    cent = sums / counts[:, None]
+    scores = x @ (cent / (np.linalg.norm(cent, axis=1, keepdims=True) + 1e-12)).T  # [n, k]
+    own = (sums[idx] - x) / np.maximum(counts[idx] - 1, 1)[:, None]  # own class without the row
+    own_norm = np.linalg.norm(own, axis=1) + 1e-12
+    scores[np.arange(len(x)), idx] = np.where(counts[idx] > 1, (x * own).sum(axis=1) / own_norm, -np.inf)
+    return float(np.mean(scores.argmax(axis=1) == idx))
+
+
+def per_layer_accuracy(counts: np.ndarray, docs: list[dict]) -> dict[str, list[float]]:
+    """Leave-one-out accuracy by language and by domain from one layer's signature alone
+    (IDF fitted on the same documents: it sees no labels)."""
     out: dict[str, list[float]] = {"language": [], "domain": []}
-    for layer in range(c_counts.shape[1]):
-        builder = SignatureBuilder("idf").fit(c_counts[:, layer:layer + 1])
-        cx, ex = builder.transform(c_counts[:, layer:layer + 1]), builder.transform(e_counts[:, layer:layer + 1])
+    for layer in range(counts.shape[1]):
+        x = SignatureBuilder("idf").fit(counts[:, layer:layer + 1]).transform(counts[:, layer:layer + 1])
         for name in out:
-            out[name].append(round(nearest_centroid_accuracy(cx, [d[name] for d in c_docs], ex,
-                                                             [d[name] for d in e_docs]), 4))
+            out[name].append(round(loo_accuracy(x, [d[name] for d in docs]), 4))
     return out
 
 
@@ -138,7 +154,11 @@ def evaluate(model, tokenizer, calib: list[dict], evalset: list[dict], args) -> 
     for name, key in (("language", lambda d: d["language"]), ("domain", lambda d: d["domain"]), ("cell", cell)):
         res[f"accuracy_{name}"] = round(nearest_centroid_accuracy(cx, [key(d) for d in c_docs], ex,
                                                                   [key(d) for d in e_docs]), 4)
-    res["per_layer"] = per_layer_accuracy(c_counts, e_counts, c_docs, e_docs)
+    pooled, pooled_docs = np.concatenate([c_counts, e_counts]), c_docs + e_docs
+    x = SignatureBuilder("idf").fit(pooled).transform(pooled)
+    for name in ("language", "domain"):
+        res[f"loo_{name}"] = round(loo_accuracy(x, [d[name] for d in pooled_docs]), 4)
+    res["per_layer"] = per_layer_accuracy(pooled, pooled_docs)
     rng = np.random.default_rng(args.seed)
     pick = rng.choice(len(e_ids), size=min(args.decode_docs, len(e_ids)), replace=False)
     res["prefill_decode_pearson"] = round(prefill_decode_pearson(model, e_ids[pick], top_k, args.decode_tokens), 4)
@@ -170,9 +190,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{results['untrained'][f'accuracy_{key}']:11.3f}{results['chance'][key]:8.3f}")
     print(f"prefill/decode Pearson {results['trained']['prefill_decode_pearson']:10.3f}"
           f"{results['untrained']['prefill_decode_pearson']:11.3f}")
+    for key in ("language", "domain"):
+        print(f"leave-one-out {key:11s}{results['trained'][f'loo_{key}']:10.3f}{results['untrained'][f'loo_{key}']:11.3f}")
     for kind in ("trained", "untrained"):
         for name, accs in results[kind]["per_layer"].items():
-            print(f"per layer, {kind:9s} {name:8s} " + " ".join(f"{a:.2f}" for a in accs))
+            print(f"per layer (leave-one-out), {kind:9s} {name:8s} " + " ".join(f"{a:.2f}" for a in accs))
     print(f"-> {out}")
     return 0
 
