@@ -56,9 +56,10 @@ def specialisation_section(models: list[Path] | None = None) -> list[str]:
     if not found:
         return []
     lines = ["## MEASURED: does the trained model's routing specialise?\n",
-             "Nearest-centroid accuracy of held-out documents' expert-usage vectors (centroids from the corpus' "
-             "calib split, accuracy on its eval split; documents of one source never in both), trained vs the "
-             "same architecture with untrained weights:\n",
+             "Nearest-centroid accuracy of documents' expert-usage vectors (IDF-weighted counts over all layers): "
+             "held out (centroids from the corpus' calib split, accuracy on its eval split; documents of one source "
+             "never in both) and leave-one-out over both splits (each document against centroids computed without "
+             "it), trained vs the same architecture with untrained weights:\n",
              "| model | layers | by | trained | untrained | chance |", "|---|---|---|---|---|---|"]
     width = max(len(s["trained"].get("per_layer", {}).get("language", [])) for _, s in found)
     for m, s in found:
@@ -66,10 +67,14 @@ def specialisation_section(models: list[Path] | None = None) -> list[str]:
         for k in ("language", "domain", "cell"):
             lines.append(f"| {m.name} | {layers} | {k} | {s['trained'][f'accuracy_{k}']:.3f} | "
                          f"{s['untrained'][f'accuracy_{k}']:.3f} | {s['chance'][k]:.3f} |")
+        for k in ("language", "domain"):
+            if f"loo_{k}" in s["trained"]:
+                lines.append(f"| {m.name} | {layers} | {k}, leave-one-out | {s['trained'][f'loo_{k}']:.3f} | "
+                             f"{s['untrained'][f'loo_{k}']:.3f} | {s['chance'][k]:.3f} |")
         lines.append(f"| {m.name} | {layers} | prefill/decode Pearson | {s['trained']['prefill_decode_pearson']:.3f} "
                      f"| {s['untrained']['prefill_decode_pearson']:.3f} | |")
     if width:
-        lines += ["", "Per layer (that layer's signature alone; trained / untrained):", "",
+        lines += ["", "Per layer (that layer's signature alone, leave-one-out; trained / untrained):", "",
                   "| model | by | " + " | ".join(f"L{i}" for i in range(width)) + " |",
                   "|---|---|" + "---|" * width]
         for m, s in found:
