@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", default="task,language")
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--batches", type=int, default=300, help="sampled batches per (grouping, size)")
-    ap.add_argument("--rates", default="60,120", help="req/s for the simulated comparison")
+    ap.add_argument("--rates", default="60,120,240", help="req/s for the simulated comparison")
     ap.add_argument("--measure-s", type=float, default=40.0)
     ap.add_argument("--json", type=Path, default=HERE / "results" / "long_decodes.json")
     args = ap.parse_args(argv)

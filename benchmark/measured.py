@@ -150,7 +150,19 @@ def online_section(results_dir: Path) -> list[str]:
             "[results/online.json](results/online.json).", "", body]
 
 
+def long_decodes_section(results_dir: Path) -> list[str]:
+    """Recorded per-step sets vs the independence approximation, from ``bench_long_decodes.py``."""
+    path = results_dir / "long_decodes.md"
+    if not path.is_file():
+        return []
+    body = path.read_text().split("\n", 1)[1].strip()
+    return ["", "## Long decodes: recorded per-step expert sets vs the independence approximation "
+            "(MEASURED sets; section 2 SIMULATED)", "",
+            "Details: [results/long_decodes.md](results/long_decodes.md), "
+            "[results/long_decodes.json](results/long_decodes.json).", "", body.replace("\n## ", "\n### ")]
+
+
 def render(traces_root: Path, workloads: list[str], results_dir: Path) -> str:
     lines = (trace_section(traces_root, workloads) + specialisation_section() + real_cpu_section(results_dir)
-             + state_aware_section(results_dir) + online_section(results_dir))
+             + long_decodes_section(results_dir) + state_aware_section(results_dir) + online_section(results_dir))
     return ("\n".join(lines) + "\n") if lines else ""

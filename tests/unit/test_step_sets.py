@@ -3,9 +3,10 @@
 import json
 
 import numpy as np
+import pytest
 
 from eldr_sglang.analyze import main as analyze_main
-from eldr_sglang.core.step_sets import STEPS_FILE, independent_distinct, true_distinct
+from eldr_sglang.core.step_sets import STEPS_FILE, independent_distinct, load_step_experts, true_distinct
 from eldr_sglang.core.traces import ModelSpec, TraceSet, write_traces
 
 L, E, K, T = 2, 16, 2, 10
@@ -48,3 +49,27 @@ def test_analyze_per_step_measure_uses_recorded_sets(tmp_path):
     exact = json.loads(out.read_text())["locality"]["domain"]["per_step"]
     assert exact["source"] == "recorded per-step sets"
     assert exact["same_label"] == 2.0 and exact["mixed"] > 2.0 and exact["reduction"] > 0.2
+
+
+@pytest.mark.parametrize("name", ["task/eval", "language/eval"])
+def test_committed_long_decodes_are_consistent(name):
+    """benchmark/traces-long: every recorded step has top_k distinct experts per layer and the
+    decode counts are exactly the recorded steps; the calibration split of the same model exists."""
+    from eldr_sglang.core.traces import load_traces
+    from tests.helpers import ROOT
+
+    path = ROOT / "benchmark" / "traces-long" / name
+    traces = load_traces(path)
+    steps = load_step_experts(path, traces)
+    m = traces.model
+    assert steps.shape[0] == len(traces) >= 200 and steps.shape[1] >= 256 and steps.shape[2:] == (m.num_layers, m.top_k)
+    assert m.num_layers >= 12 and m.num_experts == 128 and m.top_k == 8
+    s = np.sort(steps[:20], axis=-1)
+    assert (s[..., 1:] != s[..., :-1]).all()
+    counts = np.zeros((20, m.num_layers, m.num_experts), dtype=np.int64)
+    for r in range(20):
+        for layer in range(m.num_layers):
+            counts[r, layer] = np.bincount(steps[r, :, layer].ravel(), minlength=m.num_experts)
+    assert (counts == traces.decode_counts[:20]).all()
+    calib = load_traces(ROOT / "benchmark" / "traces-12l" / name.replace("eval", "calib"))
+    assert calib.model.num_layers == m.num_layers and len(calib) >= 500
