@@ -16,7 +16,8 @@ import numpy as np
 
 from .traces import TraceSet
 
-__all__ = ["STEPS_FILE", "P_MAX", "load_step_experts", "decode_step_probs", "true_distinct", "independent_distinct"]
+__all__ = ["STEPS_FILE", "P_MAX", "load_step_experts", "decode_step_probs", "used_experts", "true_distinct",
+           "independent_distinct"]
 
 STEPS_FILE = "steps.npz"
 P_MAX = 1.0 - 1e-6  # an expert used in every step still leaves log(1 - p) finite
@@ -51,12 +52,16 @@ def decode_step_probs(traces: TraceSet) -> np.ndarray:
     return np.minimum(counts / steps[:, None, None], P_MAX)
 
 
-def true_distinct(steps: np.ndarray, rows: np.ndarray, at: np.ndarray, num_experts: int) -> np.ndarray:
-    """[L] distinct experts of one batch: request ``rows[i]`` at its decode step ``at[i]``."""
-    ids = steps[rows, at]  # [b, L, k]
+def used_experts(ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """[L, E] bool: which experts any of the ``ids`` ([b, L, k] expert ids) uses, per layer."""
     L = ids.shape[1]
     flat = ids.astype(np.int64) + (np.arange(L) * num_experts)[None, :, None]
-    return (np.bincount(flat.ravel(), minlength=L * num_experts) > 0).reshape(L, num_experts).sum(axis=1)
+    return (np.bincount(flat.ravel(), minlength=L * num_experts) > 0).reshape(L, num_experts)
+
+
+def true_distinct(steps: np.ndarray, rows: np.ndarray, at: np.ndarray, num_experts: int) -> np.ndarray:
+    """[L] distinct experts of one batch: request ``rows[i]`` at its decode step ``at[i]``."""
+    return used_experts(steps[rows, at], num_experts).sum(axis=1)
 
 
 def independent_distinct(p: np.ndarray, rows: np.ndarray) -> np.ndarray:

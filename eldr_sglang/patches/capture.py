@@ -52,7 +52,7 @@ def forward_around(original, model_runner, forward_batch, *args, **kwargs):
         state.forward_batch = forward_batch
     except Exception as exc:
         state.fail_once("initialisation", exc)
-    started = time.perf_counter()
+    started = time.perf_counter() if state.trace_writer is not None else 0.0  # trace mode times steps
     try:
         return original(model_runner, forward_batch, *args, **kwargs)
     finally:

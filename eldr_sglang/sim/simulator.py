@@ -46,6 +46,7 @@ from typing import Optional
 import numpy as np
 
 from ..core.policies import Policy, RouteRequest
+from ..core.step_sets import used_experts
 from .cost_model import CostParams, get_params, step_time
 from .workload import SimWorkload
 
@@ -193,9 +194,7 @@ def simulate(workload: SimWorkload, policy: Policy, config: SimConfig,
     wants_counts = counts is not None and getattr(policy, "uses_counts", False)
     tokens: list = [None] * n  # the policy's admit() tokens, released at finish
     replay = workload.step_experts
-    if replay is not None:
-        replay_len = replay.shape[1]
-        flat_base = (np.arange(L) * E)[None, :, None]  # [1, L, 1]: layer offset into [L * E]
+    replay_len = replay.shape[1] if replay is not None else 0
     w0, w1 = config.warmup_s, config.warmup_s + config.measure_s
 
     # prefill: the server that frees up first, FIFO (computed in arrival order)
@@ -232,8 +231,7 @@ def simulate(workload: SimWorkload, policy: Policy, config: SimConfig,
         else:  # the true union of every running request's current recorded step
             members = np.fromiter(sv.joined, dtype=np.int64, count=len(sv.joined))
             at = (sv.steps - np.fromiter(sv.joined.values(), dtype=np.int64, count=len(sv.joined))) % replay_len
-            ids = replay[pick[members], at].astype(np.int64) + flat_base  # [b, L, k]
-            free = (np.bincount(ids.ravel(), minlength=L * E) == 0).reshape(L, E).astype(np.float64)
+            free = 1.0 - used_experts(replay[pick[members], at], E)
         if ep > 1:
             per_gpu = (group_size - np.einsum("le,leg->lg", free, place)) * scale  # [L, G]
             unique = per_gpu
