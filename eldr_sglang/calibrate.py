@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tau", type=float, default=DEFAULT_TAU, help="default locality band stored in the artifact")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", default=None, help="PNG: 2D PCA map of signatures by label, centroids marked")
+    ap.add_argument("--predictor-prompts", nargs="+", default=None, metavar="JSONL",
+                    help="also fit the signature predictor (routing before prefill) on these JSON lines "
+                         "(id + prompt or input_ids), joined to the trace records by request id")
+    ap.add_argument("--tokenizer", default=None, help="model folder whose tokenizer turns prompt text into ids")
+    ap.add_argument("--predictor-alpha", type=float, default=1.0, help="predictor ridge strength (> 0)")
     return ap
 
 
@@ -107,6 +112,12 @@ def run(args: argparse.Namespace) -> int:
         builder = SignatureBuilder(variant).fit(traces)
     builder = builder.with_layers(layers)
     signatures = builder.transform(traces)
+    predictor, predictor_info = None, None
+    if args.predictor_prompts:
+        from .prompts import fit_predictor
+
+        predictor, predictor_info = fit_predictor(traces, layers, args.predictor_prompts, args.tokenizer,
+                                                  alpha=args.predictor_alpha)
 
     with tqdm(total=1, desc=f"balanced K-means (K={args.clusters}, n_init={args.n_init})", file=sys.stderr) as bar:
         km = BalancedKMeans(args.clusters, n_init=args.n_init, max_iter=args.max_iter, random_state=args.seed)
@@ -122,11 +133,16 @@ def run(args: argparse.Namespace) -> int:
         extra={"layer_curve": [{"layers": l, "rho": round(r, 6)} for l, r in curve], "stopped_because": reason,
                "cluster_sizes": sizes.tolist(), "purity": purity, "inertia": km.inertia_,
                "variant_scores": {v: None if r is None else round(r, 6) for v, r in scores.items()},
-               "variant_choice": "auto" if args.variant == "auto" else "given", "variant_holdout": VARIANT_HOLDOUT},
+               "variant_choice": "auto" if args.variant == "auto" else "given", "variant_holdout": VARIANT_HOLDOUT,
+               **({"predictor": predictor_info} if predictor_info else {})},
+        predictor=predictor,
     )
     artifact.save(args.out)
     print_summary(curve, reason, layers, sizes, purity, km.capacity_)
     print_variant_table(scores, variant, args.variant == "auto", len(traces))
+    if predictor_info:
+        print(f"\nsignature predictor: {predictor_info['requests']} requests, {predictor_info['tokens_seen']} "
+              f"tokens seen, {predictor_info['bytes'] / 1024:.0f} KiB")
     if args.plot:
         plot_map(signatures, km, traces, args.plot, args.seed)
         print(f"map written to {args.plot}")

@@ -1,6 +1,6 @@
 """Calibration artifact: one versioned JSON file, validated by ``load_artifact``.
 
-Layout (``format_version`` 1)::
+Layout (``format_version`` 2; version 1 files, without ``predictor``, still load)::
 
     {"format": "eldr-calibration", "format_version": 1,
      "model": {"name", "num_layers", "num_experts", "top_k"},
@@ -9,11 +9,13 @@ Layout (``format_version`` 1)::
      "centroids": {"dtype": "float32", "shape": [K, n_sel * E], "data": ...},
      "created": {"time", "n_requests", "tool", "tool_version", ...},
      "extra": {...free-form, not checksummed...},
+     "predictor": {...} (optional: prompt token ids -> predicted counts, core.predictor),
      "checksum": "sha256:<hex>"}
 
 The checksum is sha256 over the canonical JSON of (format_version, model, variant,
-layers, tau) followed by the raw float32 bytes of idf and centroids. ``created``
-and ``extra`` are informational and not covered.
+layers, tau) followed by the raw float32 bytes of idf and centroids, then the
+predictor's arrays when there is one. ``created`` and ``extra`` are informational
+and not covered.
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .predictor import SignaturePredictor
 from .signature import COUNT_VARIANTS, signature_from_counts
 from .traces import ModelSpec
 
 FORMAT = "eldr-calibration"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: optional signature predictor
+READABLE_VERSIONS = (1, 2)
 DEFAULT_TAU = 0.1
 _REQUIRED = ("format", "format_version", "model", "variant", "layers", "tau", "idf", "centroids", "checksum")
 
@@ -51,6 +55,7 @@ class CalibrationArtifact:
     created: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    predictor: SignaturePredictor | None = None  # prompt token ids -> predicted counts
 
     def __post_init__(self) -> None:
         self.layers = [int(l) for l in self.layers]
@@ -83,10 +88,18 @@ class CalibrationArtifact:
         digest = hashlib.sha256(head)
         digest.update(self.idf.astype("<f4").tobytes())
         digest.update(self.centroids.astype("<f4").tobytes())
+        if self.predictor is not None:
+            digest.update(self.predictor.digest_bytes())
         return "sha256:" + digest.hexdigest()
 
+    def predicted_counts(self, token_ids) -> np.ndarray:
+        """Prompt token ids -> predicted raw counts [n_sel, E] of the selected layers."""
+        if self.predictor is None:
+            raise ValueError("this artifact has no signature predictor (calibrate with --predictor-prompts)")
+        return self.predictor.predict(token_ids)
+
     def to_dict(self) -> dict:
-        return {
+        out = {
             "format": FORMAT,
             "format_version": self.format_version,
             "model": self.model.to_dict(),
@@ -99,6 +112,9 @@ class CalibrationArtifact:
             "extra": self.extra,
             "checksum": self.checksum(),
         }
+        if self.predictor is not None:
+            out["predictor"] = self.predictor.to_dict()
+        return out
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write atomically (temp file + rename)."""
@@ -155,6 +171,12 @@ def _validate(art: CalibrationArtifact, source: str) -> None:
         raise ValueError(f"{source}: idf or centroids contain non-finite values")
     if not (np.isfinite(art.tau) and art.tau >= 0.0):
         raise ValueError(f"{source}: tau {art.tau} must be finite and >= 0")
+    if art.predictor is not None:
+        if art.format_version < 2:
+            raise ValueError(f"{source}: a predictor needs format_version >= 2")
+        if tuple(art.predictor.shape_) != want_idf:
+            raise ValueError(f"{source}: predictor shape {list(art.predictor.shape_)} != [n_layers, num_experts] "
+                             f"= {list(want_idf)}")
 
 
 def load_artifact(
@@ -182,8 +204,9 @@ def load_artifact(
         raise ValueError(f"{source}: missing field(s) {missing}")
     if doc["format"] != FORMAT:
         raise ValueError(f"{source}: format is {doc['format']!r}, expected {FORMAT!r}")
-    if doc["format_version"] != FORMAT_VERSION:
-        raise ValueError(f"{source}: format_version {doc['format_version']} unsupported (this code reads {FORMAT_VERSION})")
+    if doc["format_version"] not in READABLE_VERSIONS:
+        raise ValueError(f"{source}: format_version {doc['format_version']} unsupported "
+                         f"(this code reads {', '.join(map(str, READABLE_VERSIONS))})")
     if not isinstance(doc["model"], Mapping):
         raise ValueError(f"{source}: field 'model' must be an object")
     try:
@@ -197,6 +220,8 @@ def load_artifact(
             created=dict(doc.get("created") or {}),
             extra=dict(doc.get("extra") or {}),
             format_version=int(doc["format_version"]),
+            predictor=(SignaturePredictor.from_dict(doc["predictor"], f"{source}: field 'predictor'")
+                       if doc.get("predictor") is not None else None),
         )
     except ValueError as exc:
         msg = str(exc)
