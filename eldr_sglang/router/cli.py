@@ -33,23 +33,30 @@ from typing import Any, Optional
 from dataclasses import MISSING, fields
 from typing import get_type_hints
 
+from eldr_sglang.cliparse import OneLineParser
 from eldr_sglang.core.policies import policy_names, policy_spec
 from eldr_sglang.router.app import Router, start_router
-from eldr_sglang.router.config import RouterConfig, validate_worker_url
+from eldr_sglang.router.config import RouterConfig, typed_value, validate_worker_url
 
 
 def _prefill_arg(values: list[str]) -> tuple[str, Optional[int]]:
     if not 1 <= len(values) <= 2:
-        raise argparse.ArgumentTypeError("--prefill takes URL [BOOTSTRAP_PORT]")
+        raise argparse.ArgumentTypeError(f"--prefill takes URL [BOOTSTRAP_PORT], got {' '.join(values)!r}")
     port = None
     if len(values) == 2 and values[1].lower() != "none":
-        port = int(values[1])
+        try:
+            port = int(values[1])
+        except ValueError:
+            port = -1
+        if not 1 <= port <= 65535:
+            raise argparse.ArgumentTypeError(f"--prefill {values[0]}: bootstrap port {values[1]!r} is not a port "
+                                             "number (1-65535, or none)")
     return values[0], port
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m eldr_sglang.router", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="eldr-router", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML or JSON file with the same keys as these flags")
     p.add_argument("--prefill", nargs="+", action="append",
                    metavar=("URL", "BOOTSTRAP_PORT"), help="prefill server URL [bootstrap port]; repeat")
@@ -72,19 +79,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_config(path: str) -> dict:
-    with open(path) as f:
-        text = f.read()
-    if path.endswith((".yaml", ".yml")):
-        import yaml  # PyYAML, only needed for YAML configs
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read ({e.strerror})") from None
+    import yaml  # PyYAML
 
-        data = yaml.safe_load(text)
-    else:
+    data: Any = None
+    if not path.endswith((".yaml", ".yml")):
         try:
             data = json.loads(text)
-        except json.JSONDecodeError:
-            import yaml
-
+        except json.JSONDecodeError as e:
+            if path.endswith(".json"):
+                raise ValueError(f"not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    if data is None:
+        try:
             data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+            raise ValueError(f"not valid YAML ({where}{getattr(e, 'problem', None) or e})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: config must be a mapping of flag names to values")
     return data
@@ -97,7 +112,7 @@ def _config_defaults(p: argparse.ArgumentParser, cfg: dict) -> dict[str, Any]:
     for key, value in cfg.items():
         dest = str(key).lstrip("-").replace("-", "_")
         if dest not in actions:
-            raise ValueError(f"unknown config key {key!r}")
+            raise ValueError(f"{key}: unknown config key")
         a = actions[dest]
         if dest == "prefill":
             items = value if isinstance(value, list) else [value]
@@ -106,12 +121,15 @@ def _config_defaults(p: argparse.ArgumentParser, cfg: dict) -> dict[str, Any]:
             value = [str(v) for v in (value if isinstance(value, list) else [value])]
         elif dest == "domain_map" and isinstance(value, dict):
             value = json.dumps(value)
-        elif value is not None and a.type is not None:
-            value = a.type(value)
+        if dest in _FIELDS:
+            value = typed_value(dest, value)
         if a.choices is not None and value not in a.choices:
-            raise ValueError(f"config key {key!r}: {value!r} not in {sorted(a.choices)}")
+            raise ValueError(f"{key}: {value!r} is not one of {', '.join(sorted(a.choices))}")
         out[dest] = value
     return out
+
+
+_FIELDS = {f.name for f in fields(RouterConfig)}
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -137,13 +155,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.prefill = [_prefill_arg(v) for v in args.prefill]
     except (argparse.ArgumentTypeError, ValueError) as e:
         p.error(str(e))
-    try:
-        for url in args.decode:
-            validate_worker_url(url)
-        for url, _ in args.prefill:
-            validate_worker_url(url)
-    except ValueError as e:
-        p.error(str(e))
+    for flag, urls in (("--decode", args.decode), ("--prefill", [u for u, _ in args.prefill])):
+        for url in urls:
+            try:
+                validate_worker_url(url)
+            except ValueError as e:
+                p.error(f"{flag}: {e}")
     spec = policy_spec(args.policy)
     if spec.needs_artifact and not (args.calibration or args.online):
         p.error(f"--policy {args.policy} needs --calibration (or --online to learn one)")

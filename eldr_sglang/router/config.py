@@ -8,11 +8,16 @@ tests build a ``Router`` with keyword overrides of the same names.
 from __future__ import annotations
 
 import ipaddress
+import json
+import os
 import resource
 import socket
 import urllib.parse
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from functools import lru_cache
+from typing import Any, Optional, get_type_hints
+
+import pydantic
 
 # SGLang's HTTP server (uvicorn) closes idle keep-alive connections after 5 s
 # (SGLANG_TIMEOUT_KEEP_ALIVE); the router drops them first, else reusing one races
@@ -21,6 +26,7 @@ WORKER_KEEPALIVE_S = 3.0
 # file descriptors one routed request holds: client, prefill and decode connections
 FDS_PER_REQUEST = 3
 FDS_RESERVED = 64  # listeners, health checks, signature streams, logs
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def _opt(help: str, default: Any = None, **kw: Any) -> Any:
@@ -127,14 +133,25 @@ class RouterConfig:
     port: int = _opt("listen port", 8000)
     workers: int = _opt("router processes sharing --port (SO_REUSEPORT)", 1)
     drain_timeout: float = _opt("on SIGTERM: seconds to let in-flight requests finish", 30.0)
-    log_level: str = _opt("log level", "info")
+    log_level: str = _opt("log level", "info", choices=LOG_LEVELS)
     event_loop: str = _opt("auto: uvloop when installed", "auto", choices=("auto", "uvloop", "asyncio"))
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        """ValueError naming the first bad field."""
+        """Convert each field to its declared type, then check the values; ValueError
+        naming the first bad field."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not f.default:
+                setattr(self, f.name, typed_value(f.name, value))
+            choices = f.metadata.get("choices")
+            if choices is not None and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name}: {getattr(self, f.name)!r} is not one of {', '.join(choices)}")
+        self._check_policies()
+        if self.domain_map is not None:
+            domain_map_of(self.domain_map)
         positive = ("signature_timeout", "signature_ttl", "signature_buffer", "signature_buffer_mb",
                     "signature_max_kb", "health_timeout", "health_failures", "breaker_threshold",
                     "connect_timeout", "first_byte_timeout", "idle_timeout", "request_timeout",
@@ -176,6 +193,18 @@ class RouterConfig:
                              "fits and writes it, the others follow it)")
         if self.workers > 1 and self.port == 0:
             raise ValueError("workers: several processes need a fixed --port to share")
+
+    def _check_policies(self) -> None:
+        from eldr_sglang.core.policies import policy_names
+
+        known = ", ".join(policy_names(aliases=True))
+        for name in ("policy", "shadow_policy"):
+            value = getattr(self, name)
+            if value is not None and value not in policy_names(aliases=True):
+                raise ValueError(f"{name}: unknown policy {value!r} (known: {known})")
+        for arm in (self.ab_policies or "").split(","):
+            if arm.strip() and arm.strip() not in policy_names(aliases=True):
+                raise ValueError(f"ab_policies: unknown policy {arm.strip()!r} (known: {known})")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "RouterConfig":
@@ -248,3 +277,54 @@ def validate_worker_url(url: Any) -> str:
     if u.path or u.query or u.fragment or u.username or u.password:
         raise ValueError(f"worker URL {url!r}: only scheme://host:port is allowed")
     return url.rstrip("/")
+
+
+@lru_cache(maxsize=None)
+def _hints() -> dict[str, Any]:
+    return get_type_hints(RouterConfig)
+
+
+@lru_cache(maxsize=None)
+def _adapter(hint: Any) -> pydantic.TypeAdapter:
+    return pydantic.TypeAdapter(hint, config=pydantic.ConfigDict(coerce_numbers_to_str=True))
+
+
+def typed_value(name: str, value: Any) -> Any:
+    """``value`` as the declared type of :class:`RouterConfig` field ``name`` (pydantic's
+    rules: ``"no"``/``"off"``/``0`` are false, ``"3"`` is 3, ``"many"`` is no number);
+    ValueError naming the field."""
+    hint = _hints()[name]
+    if isinstance(value, bool) and bool not in getattr(hint, "__args__", (hint,)):
+        raise ValueError(f"{name}: expected {_type_name(hint)}, got {value!r}")
+    try:
+        return _adapter(hint).validate_python(value)
+    except pydantic.ValidationError as e:
+        raise ValueError(f"{name}: {e.errors()[0]['msg'].lower()}, got {value!r}") from None
+
+
+def _type_name(hint: Any) -> str:
+    return " or ".join(getattr(a, "__name__", str(a)) for a in getattr(hint, "__args__", (hint,)))
+
+
+def domain_map_of(value: str) -> dict[str, list]:
+    """``--domain-map``: inline JSON or a JSON file of label -> [decode index or URL, ...]
+    (a single server may stand without its list); ValueError naming ``domain_map``."""
+    source = value
+    if os.path.exists(value):
+        try:
+            with open(value) as f:
+                value = f.read()
+        except OSError as e:
+            raise ValueError(f"domain_map: cannot read {source} ({e.strerror})") from None
+    try:
+        doc = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"domain_map: {source!r} is not JSON ({e.msg} at line {e.lineno} column {e.colno}) "
+                         "nor a file") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"domain_map: expected a JSON object of label -> servers, got {type(doc).__name__}")
+    for label, servers in doc.items():
+        for s in servers if isinstance(servers, list) else [servers]:
+            if isinstance(s, bool) or not isinstance(s, (int, str)):
+                raise ValueError(f"domain_map: {label!r}: a server is a decode index or URL, got {s!r}")
+    return doc
