@@ -17,14 +17,16 @@ naming the file and line, exit status 2.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
+import pydantic
 from scipy import stats
+
+from eldr_sglang.cliparse import OneLineParser
 
 METRICS = (("unique_per_step", "distinct experts / decode step", "lower"),
            ("tpot_mean_s", "TPOT (s, engines)", "lower"),
@@ -33,6 +35,37 @@ METRICS = (("unique_per_step", "distinct experts / decode step", "lower"),
            ("latency_p99_s", "router latency p99 (s)", "lower"),
            ("throughput_rps", "throughput (req/s)", "higher"),
            ("mean_batch", "mean decode batch", None))
+
+
+class SliceRecord(pydantic.BaseModel):
+    """The fields of an ``--ab-record`` line the verdict reads (others are kept as they are)."""
+
+    model_config = pydantic.ConfigDict(extra="allow")
+    arm: str
+    start: float
+    end: Optional[float] = None
+    requests: int = 0
+    errors: int = 0
+    unique_per_step: Optional[float] = None
+    tpot_mean_s: Optional[float] = None
+    ttft_mean_s: Optional[float] = None
+    latency_p50_s: Optional[float] = None
+    latency_p99_s: Optional[float] = None
+    throughput_rps: Optional[float] = None
+    mean_batch: Optional[float] = None
+
+
+def _record(rec: object, where: str) -> dict:
+    """The typed record; ValueError ``FILE:LINE: FIELD: ...``."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: not a slice record (a JSON object with 'arm' and 'start')")
+    try:
+        return SliceRecord.model_validate(rec).model_dump()
+    except pydantic.ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(map(str, err["loc"])) or "record"
+        got = "" if err["type"] == "missing" else f", got {err['input']!r}"
+        raise ValueError(f"{where}: {field}: {err['msg'].lower()}{got}") from None
 
 
 def load_records(paths: Sequence[str]) -> list[dict]:
@@ -49,9 +82,7 @@ def load_records(paths: Sequence[str]) -> list[dict]:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("arm"), str) or "start" not in rec:
-                raise ValueError(f"{path}:{n}: not a slice record (needs 'arm' and 'start')")
-            out.append({**rec, "_file": path})
+            out.append({**_record(rec, f"{path}:{n}"), "_file": path})
     if not out:
         raise ValueError("no slice records in " + ", ".join(paths))
     return sorted(out, key=lambda r: r["start"])
@@ -176,7 +207,7 @@ def plot(recs: list[dict], path: str) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m eldr_sglang.ab", description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="eldr-ab", description=__doc__.split("\n\n")[0])
     ap.add_argument("records", nargs="+", help="--ab-record files (JSON lines)")
     ap.add_argument("--baseline", default=None, help="the arm the others are compared with (default: first by name)")
     ap.add_argument("--skip-first", type=int, default=0, help="drop each file's first N slices (warm-up)")

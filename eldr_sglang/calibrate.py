@@ -13,6 +13,7 @@ status 2 (no traceback).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Sequence
@@ -69,6 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--max-layers must be >= 1, got {args.max_layers}")
     if not (np.isfinite(args.tau) and args.tau >= 0.0):
         ap.error(f"--tau must be >= 0 (2 or more = join-shortest-queue), got {args.tau}")
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        ap.error(f"--out {args.out}: directory {out_dir} does not exist (create it first)")
     try:
         return run(args)
     except ValueError as exc:

@@ -18,17 +18,33 @@ from typing import Iterator
 
 import numpy as np
 
+from eldr_sglang.cliparse import OneLineParser, fail
 from eldr_sglang.core import ModelSpec, TraceRecord, TraceWriter
 
+PROG = "eldr-collect-traces"
 
-def read_jsonl(paths: list[Path]) -> dict[str, dict]:
+
+class InputError(ValueError):
+    """Bad input; the message starts with the flag it came from."""
+
+
+def read_jsonl(paths: list[Path], flag: str = "--logs") -> dict[str, dict]:
+    """Records by request id (``rid``) of JSON-lines files; InputError naming ``flag``."""
     out = {}
     for path in paths:
-        for n, line in enumerate(path.open(), 1):
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as exc:
+            raise InputError(f"{flag}: cannot read {path} ({exc.strerror})") from None
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise SystemExit(f"collect_traces: {path}:{n}: not JSON ({exc})")
+                raise InputError(f"{flag}: {path}:{n}: not JSON ({exc.msg})") from None
+            if not isinstance(rec, dict) or "rid" not in rec:
+                raise InputError(f"{flag}: {path}:{n}: rid: required (a JSON object with the request id)")
             out[str(rec["rid"])] = rec
     return out
 
@@ -36,11 +52,22 @@ def read_jsonl(paths: list[Path]) -> dict[str, dict]:
 def model_spec(model_dir: Path) -> ModelSpec:
     cfg_path = model_dir / "config.json"
     if not cfg_path.is_file():
-        raise SystemExit(f"collect_traces: --model: no config.json in {model_dir}")
+        raise InputError(f"--model: no config.json in {model_dir}")
     try:
         return ModelSpec.from_hf_config(json.loads(cfg_path.read_text()), model_dir.name)
     except ValueError as exc:
-        raise SystemExit(f"collect_traces: --model: {exc}")
+        raise InputError(f"--model: {exc}") from None
+
+
+def check_pair(rid: str, pre: dict, dec: dict, spec: ModelSpec) -> None:
+    """InputError when a request's prefill or decode record lacks what a trace record needs."""
+    missing = [f"prefill {k}" for k in ("layers", "counts", "prompt_tokens") if k not in pre] + [
+        f"decode {k}" for k in ("decode_counts", "output_tokens") if k not in dec]
+    if missing:
+        raise InputError(f"--logs: request {rid}: {', '.join(missing)}: required")
+    if len(pre["layers"]) != spec.num_layers:
+        raise InputError(f"--logs: prefill record {rid} has layers {pre['layers']}; "
+                         "trace mode needs all layers (--eldr-trace-dir without --eldr-layers)")
 
 
 def join_records(prefill: dict[str, dict], decode: dict[str, dict], labels: dict[str, dict],
@@ -50,9 +77,7 @@ def join_records(prefill: dict[str, dict], decode: dict[str, dict], labels: dict
         dec = decode.get(rid)
         if dec is None:
             continue
-        if len(pre["layers"]) != spec.num_layers:
-            raise SystemExit(f"collect_traces: prefill record {rid} has layers {pre['layers']}; "
-                             "trace mode needs all layers (--eldr-trace-dir without --eldr-layers)")
+        check_pair(rid, pre, dec, spec)
         lab = {k: str(v) for k, v in labels.get(rid, {}).items() if k != "rid"}
         yield TraceRecord(
             rid, np.array(pre["counts"]), np.array(dec["decode_counts"]), int(pre["prompt_tokens"]),
@@ -62,28 +87,45 @@ def join_records(prefill: dict[str, dict], decode: dict[str, dict], labels: dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--logs", nargs="+", type=Path, required=True, help="--eldr-trace-dir folders")
     p.add_argument("--model", type=Path, required=True, help="model folder (config.json)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--labels", type=Path, help="JSON lines with rid and label fields")
     p.add_argument("--shard-size", type=int, default=1024)
     args = p.parse_args(argv)
-    spec = model_spec(args.model)
-    prefill = read_jsonl([f for d in args.logs for f in sorted(d.glob("prefill-*.jsonl"))])
-    decode = read_jsonl([f for d in args.logs for f in sorted(d.glob("decode-*.jsonl"))])
-    labels = read_jsonl([args.labels]) if args.labels else {}
-    if not prefill or not decode:
-        raise SystemExit(f"collect_traces: found {len(prefill)} prefill and {len(decode)} decode records in "
-                         f"{', '.join(map(str, args.logs))}; run the servers with --eldr-trace-dir")
-    with TraceWriter(args.out, spec, shard_size=args.shard_size) as writer:
-        joined = 0
-        for record in join_records(prefill, decode, labels, spec):
-            writer.add(record)
-            joined += 1
+    try:
+        joined, prefill, decode = collect(args)
+    except InputError as exc:
+        fail(PROG, str(exc))
     print(f"wrote {joined} trace records to {args.out} ({len(prefill) - joined} prefill-only, "
           f"{len(decode) - joined} decode-only records skipped)")
     return 0
+
+
+def collect(args: argparse.Namespace) -> tuple[int, dict, dict]:
+    """Read, join and write; (records written, prefill records, decode records)."""
+    for d in args.logs:
+        if not d.is_dir():
+            raise InputError(f"--logs: {d} is not a directory (the servers' --eldr-trace-dir)")
+    if args.shard_size < 1:
+        raise InputError(f"--shard-size: expected an integer >= 1, got {args.shard_size}")
+    spec = model_spec(args.model)
+    labels = read_jsonl([args.labels], "--labels") if args.labels else {}
+    prefill = read_jsonl([f for d in args.logs for f in sorted(d.glob("prefill-*.jsonl"))])
+    decode = read_jsonl([f for d in args.logs for f in sorted(d.glob("decode-*.jsonl"))])
+    if not prefill or not decode:
+        raise InputError(f"--logs: found {len(prefill)} prefill and {len(decode)} decode records in "
+                         f"{', '.join(map(str, args.logs))}; run the servers with --eldr-trace-dir")
+    for rid, pre in prefill.items():  # every pair checked before anything is written
+        if rid in decode:
+            check_pair(rid, pre, decode[rid], spec)
+    joined = 0
+    with TraceWriter(args.out, spec, shard_size=args.shard_size) as writer:
+        for record in join_records(prefill, decode, labels, spec):
+            writer.add(record)
+            joined += 1
+    return joined, prefill, decode
 
 
 if __name__ == "__main__":

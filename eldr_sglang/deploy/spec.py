@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from eldr_sglang.core.policies import policy_names
 from eldr_sglang.router.config import RouterConfig
 
 VENDORS = ("rocm", "cuda")
@@ -232,10 +233,13 @@ def _router(value: Any, node_names: list[str]) -> Router:
     if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float)) or tau < 0):
         raise DescriptionError(f"router.tau: expected a number >= 0 (or absent: the artifact's), got {tau!r}")
     sig = m.get("signature_port", 8001)
+    policy = _str(m.get("policy", RouterConfig.policy), "router.policy")
+    if policy not in policy_names(aliases=True):
+        raise DescriptionError(f"router.policy: unknown policy {policy!r} (known: {', '.join(policy_names(aliases=True))})")
     return Router(node=node, port=_port(m.get("port", RouterConfig.port), "router.port"),
                   signature_port=None if sig is None else _port(sig, "router.signature_port"),
                   host=_str(m.get("host", RouterConfig.host), "router.host"),
-                  policy=_str(m.get("policy", RouterConfig.policy), "router.policy"),
+                  policy=policy,
                   tau=None if tau is None else float(tau),
                   extra_args=_args(m.get("extra_args", []), "router.extra_args"))
 
