@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar=("URL", "BOOTSTRAP_PORT"), help="prefill server URL [bootstrap port]; repeat")
     p.add_argument("--decode", action="append", metavar="URL",
                    help="decode server URL; repeat (order = calibration cluster order)")
+    p.add_argument("--worker", action="append", metavar="URL",
+                   help="--mode colocated: plain SGLang server URL; repeat (order = cluster order)")
     hints = get_type_hints(RouterConfig)
     for f in fields(RouterConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -149,6 +151,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     for k, v in lists.items():
         if not getattr(args, k):
             setattr(args, k, v)
+    if args.mode == "colocated":  # whole requests across plain servers (eldr_sglang.router.colocated)
+        if not args.worker or args.prefill or args.decode:
+            p.error("--mode colocated takes --worker URL (repeat), not --prefill/--decode")
+        try:
+            args.worker = [validate_worker_url(u) for u in args.worker]
+            args.router_config = config_of(args)
+        except ValueError as e:
+            p.error(str(e))
+        return args
     if not args.prefill or not args.decode:
         p.error("need --prefill and --decode (on the command line or in --config)")
     try:
@@ -181,13 +192,19 @@ def config_of(args: argparse.Namespace) -> RouterConfig:
 
 
 def build_router(args: argparse.Namespace) -> Router:
+    if args.router_config.mode == "colocated":
+        from eldr_sglang.router.colocated import build_colocated_router
+
+        return build_colocated_router(args)
     return Router(args.prefill, args.decode, config=args.router_config)
 
 
 async def serve(router: Router, host: str, port: int, drain_timeout: float,
                 reuse_port: bool = False) -> None:
     """Serve until SIGTERM/SIGINT, then drain: 503 for new work, finish in-flight, exit."""
-    runner, bound = await start_router(router, host, port, reuse_port=reuse_port)
+    start = getattr(router, "start_site", None)  # --mode colocated serves its own app
+    runner, bound = await (start(host, port, reuse_port) if start else
+                           start_router(router, host, port, reuse_port=reuse_port))
     log = logging.getLogger("eldr_sglang.router")
     log.info("listening on %s:%d (pid %d)%s", host, bound, os.getpid(),
              f", signatures at {router.return_address}" if router.return_address else "")

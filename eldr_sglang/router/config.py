@@ -45,6 +45,12 @@ class RouterConfig:
     label_field: Optional[str] = _opt("body field holding the request label (removed before forwarding)")
     label_header: Optional[str] = _opt("HTTP header holding the request label")
     seed: Optional[int] = _opt("seed of the policies' random tie-breaks", 0)
+    # routing before prefill (eldr_sglang.router.colocated, eldr_sglang.router.scoring)
+    mode: str = _opt("pd: prefill/decode router; colocated: whole requests across plain SGLang "
+                     "servers (--worker), routed by the artifact's predicted signature", "pd",
+                     choices=("pd", "colocated"))
+    tokenizer: Optional[str] = _opt("model folder whose tokenizer turns prompts into token ids for "
+                                    "predicted signatures (default: the one the artifact names)")
     # A/B and shadow (eldr_sglang.router.ab)
     ab_policies: Optional[str] = _opt(
         "time-sliced A/B: comma-separated policies the router alternates, one per slice "

@@ -1,0 +1,144 @@
+"""Predicted signatures for routers that choose before prefill, and ``POST /eldr/score``.
+
+:class:`PredictedRouting` turns a request body into the :class:`RouteRequest` the
+policies take, from the prompt alone: token ids (the model's tokenizer, or the
+client's ``input_ids``) -> the artifact's predictor -> predicted raw counts of the
+selected layers -> ``signature`` (IDF-weighted, L2-normalised, as the router does
+with a prefill signature message) and ``activation`` (counts / prompt tokens, as
+:func:`~eldr_sglang.router.signatures.activation`). A batch combines its items as
+the PD router does.
+
+``POST /eldr/score`` answers which servers a request should go to, for a router
+that keeps its own dispatch (sglang-router/smg, llm-d, a gateway)::
+
+    {"text": "..."} | {"input_ids": [...]} | {"prompt": ...} | {"messages": [...]}
+    (optional "endpoint": "generate" | "v1/completions" | "v1/chat/completions")
+    -> {"server": URL, "index": i, "region": k, "ranked": [{"url", "index",
+        "similarity"}, ...], "similarities": [per centroid], "prompt_tokens": n,
+        "coverage": share of tokens the predictor has seen, "routing_key": "eldr-<k>"}
+
+``ranked`` is by predicted similarity, best first; ``server`` is what the policy
+picks given the loads this router knows (its own in-flight counts), so a caller
+without load information can take it, and one with its own can take ``ranked`` or
+``routing_key`` (stable per region: a consistent-hash key).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import orjson
+from aiohttp import web
+from prometheus_client import Counter
+
+from eldr_sglang.core.policies import Decision, Policy, RouteRequest
+from eldr_sglang.prompts import Tokenizer, request_token_ids
+from eldr_sglang.router.responses import error_response, json_response
+from eldr_sglang.router.signatures import combine, union
+
+ENDPOINTS = ("generate", "v1/completions", "v1/chat/completions")
+# which path each request took: predicted (routed by its predicted signature), fallback
+# (the policy wanted a signature, the prompt gave none: no predictor, no tokens), blind
+# (the policy routes without one)
+PATHS = ("predicted", "fallback", "blind")
+
+
+def path_counter(registry: Any) -> Counter:
+    """``eldr_router_route_path_total{mode, path}`` on the router's metrics registry."""
+    return Counter("eldr_router_route_path", "Requests routed before prefill, by path "
+                   "(predicted signature, fallback without one, blind policy) and mode "
+                   "(colocated, score, early)", ["mode", "path"], registry=registry)
+
+
+class PredictedRouting:
+    """Request body -> predicted :class:`RouteRequest` (no I/O; the policy is the caller's)."""
+
+    def __init__(self, artifact: Any, tokenizer: Optional[Tokenizer]) -> None:
+        self.artifact, self.tokenizer = artifact, tokenizer
+        self.predictor = getattr(artifact, "predictor", None) if artifact is not None else None
+
+    @property
+    def can_predict(self) -> bool:
+        return self.predictor is not None
+
+    def token_ids(self, body: dict, endpoint: str) -> list[list[int]]:
+        """Token ids per item; ValueError for a malformed body (answered 400)."""
+        return request_token_ids(body, endpoint, self.tokenizer)
+
+    def route(self, items: Sequence[Sequence[int]], label: Optional[str] = None) -> tuple[RouteRequest, dict]:
+        """(RouteRequest with predicted signature and activation, facts for the caller)."""
+        if not self.can_predict:
+            return RouteRequest(label=label), {"prompt_tokens": sum(len(t) for t in items)}
+        sigs, acts, cover = [], [], []
+        for ids in items:
+            counts = self.predictor.predict(ids)
+            sigs.append(self.artifact.signature(counts))
+            n = max(float(len(ids)), float(counts.max(initial=0)), 1.0)
+            acts.append((counts.reshape(-1) / np.float32(n)).astype(np.float32))
+            cover.append(self.predictor.coverage(ids))
+        facts = {"prompt_tokens": sum(len(t) for t in items), "coverage": float(np.mean(cover))}
+        return RouteRequest(signature=combine(sigs), label=label, activation=union(acts)), facts
+
+
+def decide(policy: Policy, route: RouteRequest, loads: Sequence[int],
+           allowed: Optional[Sequence[bool]] = None) -> tuple[Decision, str]:
+    """The policy's decision and the path it took (one of :data:`PATHS`)."""
+    dec = policy.explain(route, loads, allowed)
+    if not getattr(policy, "needs_signature", False) and not getattr(policy, "uses_activation", False):
+        return dec, "blind"
+    return dec, "predicted" if route.signature is not None else "fallback"
+
+
+class ScoreEndpoint:
+    """``POST /eldr/score`` over a :class:`PredictedRouting`, a policy and a server list.
+
+    ``servers()`` -> URLs in policy order, ``loads()`` -> their loads; ``policy()`` the
+    live policy (read per request: a reload may swap it)."""
+
+    def __init__(self, routing: PredictedRouting, policy, servers, loads, counter: Counter,
+                 centroids: Optional[np.ndarray] = None) -> None:
+        self.routing, self.policy, self.servers, self.loads = routing, policy, servers, loads
+        self.counter = counter
+        art = routing.artifact
+        self.centroids = (np.asarray(centroids if centroids is not None else art.centroids, dtype=np.float32)
+                          if art is not None else None)
+
+    async def handle(self, request: web.Request) -> web.Response:
+        t0 = time.perf_counter()
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as e:
+            return error_response(400, f"invalid JSON body: {e}")
+        if not isinstance(body, dict):
+            return error_response(400, "request body must be a JSON object")
+        endpoint = str(body.pop("endpoint", "") or ("v1/chat/completions" if "messages" in body else
+                                                   "v1/completions" if "prompt" in body else "generate"))
+        if endpoint.lstrip("/") not in ENDPOINTS:
+            return error_response(400, f"'endpoint' must be one of {', '.join(ENDPOINTS)}")
+        try:
+            items = self.routing.token_ids(body, endpoint.lstrip("/"))
+        except ValueError as e:
+            return error_response(400, str(e))
+        if not self.routing.can_predict:
+            return error_response(409, "the calibration artifact has no signature predictor "
+                                  "(calibrate with --predictor-prompts)")
+        route, facts = self.routing.route(items)
+        policy = self.policy()
+        urls = self.servers()
+        dec, path = decide(policy, route, self.loads())
+        self.counter.labels("score", path).inc()
+        sims = self.centroids @ route.signature
+        server_sims = dec.server_similarities
+        if server_sims is None:  # a policy that does not score servers: server i ~ centroid i
+            server_sims = np.array([sims[i % len(sims)] for i in range(len(urls))], dtype=np.float32)
+        order = np.argsort(-server_sims, kind="stable")
+        region = int(np.argmax(sims))
+        return json_response({
+            "server": urls[dec.index], "index": dec.index, "region": region, "routing_key": f"eldr-{region}",
+            "policy": dec.policy, "reason": dec.reason, "path": path,
+            "ranked": [{"url": urls[i], "index": int(i), "similarity": round(float(server_sims[i]), 6)}
+                       for i in order],
+            "similarities": [round(float(s), 6) for s in sims],
+            **facts, "elapsed_ms": round(1e3 * (time.perf_counter() - t0), 3)})
