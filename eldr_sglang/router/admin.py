@@ -2,7 +2,9 @@
 
 Admin endpoints answer loopback clients only, or, when the router runs with
 ``--admin-token``, exactly ``Authorization: Bearer <token>`` from anywhere.
-``GET /eldr/decisions`` is admin too: it shows other clients' request ids and labels.
+``GET /eldr/decisions`` and ``GET /eldr/status`` are admin too: they show other
+clients' request ids, labels and the worker addresses. Admin bodies are small (at
+most ``ADMIN_BODY_BYTES``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
+from eldr_sglang.router.bodies import ADMIN_BODY_BYTES, ADMIN_BODY_KEY, BodyError, read_body
 from eldr_sglang.router.responses import error_response, json_response
 
 if TYPE_CHECKING:
@@ -61,10 +64,16 @@ class AdminApi:
                                    "<token>' when the router runs with --admin-token")
 
     def only(self, handler):
-        """``handler`` behind the admin check."""
+        """``handler`` behind the admin check; a body over ``ADMIN_BODY_BYTES`` is 413."""
         async def guarded(request: web.Request) -> web.StreamResponse:
             if not self.allowed(request):
                 return self.forbidden()
+            try:
+                request[ADMIN_BODY_KEY] = await read_body(request, ADMIN_BODY_BYTES,
+                                                       self.r.config.client_body_timeout or None)
+            except BodyError as e:
+                self.r.metrics.errors.labels("too_large" if e.status == 413 else "body_timeout").inc()
+                return error_response(e.status, str(e))
             return await handler(request)
         return guarded
 
@@ -74,7 +83,7 @@ class AdminApi:
 
     @staticmethod
     async def _body(request: web.Request) -> dict:
-        data = orjson.loads(await request.read() or b"{}")
+        data = orjson.loads(request.get(ADMIN_BODY_KEY) or b"{}")
         if not isinstance(data, dict):
             raise ValueError("body must be a JSON object")
         return data

@@ -34,6 +34,10 @@ from eldr_sglang.core.policies import Decision, Policy, PolicyContext, PolicySpe
 from eldr_sglang.router import upstream
 from eldr_sglang.router.ab import ABController, ShadowPolicy
 from eldr_sglang.router.admin import AdminApi
+from eldr_sglang.router.bodies import BodyParser
+from eldr_sglang.router.client_guard import ClientGuards, GuardedSite
+from eldr_sglang.router.clients import (REQUEST_ID_KEY, RequestIds, as_openai_error,
+                                        bearer_matches, unauthorized)
 from eldr_sglang.router.config import WORKER_KEEPALIVE_S, RouterConfig
 from eldr_sglang.router.dispatch import Dispatcher
 from eldr_sglang.router.intake import SignatureIntake
@@ -45,6 +49,10 @@ from eldr_sglang.router.workers import Worker, WorkerPool
 
 logger = logging.getLogger("eldr_sglang.router")
 WORK_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+# what --api-key guards: the work routes and what tells about the model
+KEYED_PATHS = WORK_PATHS | {"/v1/models", "/model_info", "/get_model_info", "/server_info",
+                            "/get_server_info", "/health_generate"}
+CLIENT_KEEPALIVE_S = 75.0  # idle keep-alive client connections (aiohttp's default: an hour)
 
 
 DECISION_COUNTS_MAX = 64 << 10  # bytes of counts a decision log entry keeps per message
@@ -121,17 +129,26 @@ class Router:
             self.routing = arms[0]
         self.watcher = (CalibrationWatcher(self, c.calibration, c.calibration_watch)
                         if c.calibration_watch else None)
+        self.parser = BodyParser()
         self.intake = SignatureIntake(self.board, self.metrics,
                                       int(min(c.signature_max_kb * 1024, c.max_body_mb * (1 << 20))),
                                       encoder=lambda: self.routing.encoder,
                                       buffering=lambda: self.routing.policy.needs_signature,
-                                      observer=self._observe if self.online or self.shadow else None)
+                                      observer=self._observe if self.online or self.shadow else None,
+                                      parser=self.parser, body_timeout=c.client_body_timeout or None)
         self.wait_limit = WaitLimit(c.signature_timeout, c.signature_timeout_min,
                                     c.signature_timeout_factor)
         self.metrics.signature_wait_limit.set(self.wait_limit.value)
+        self.api_key = c.api_key or os.environ.get("ELDR_API_KEY") or None
+        self.worker_api_key = c.worker_api_key or os.environ.get("ELDR_WORKER_API_KEY") or None
         self.upstream = upstream.UpstreamClient(
             c.request_timeout, c.connect_timeout, WORKER_KEEPALIVE_S,
-            first_byte_timeout=c.first_byte_timeout, idle_timeout=c.idle_timeout)
+            first_byte_timeout=c.first_byte_timeout, idle_timeout=c.idle_timeout,
+            max_per_worker=c.worker_max_connections, api_key=self.worker_api_key)
+        self.body_limit = int(c.max_body_mb * (1 << 20))
+        self.request_ids = RequestIds(c.request_id_headers)
+        self.guards = ClientGuards(c.client_header_timeout,
+                                   on_close=lambda: self.metrics.errors.labels("header_timeout").inc())
         self.inflight_limit = c.inflight_limit
         self.decisions: deque[tuple] = deque(maxlen=c.decisions_kept)
         self.decision_level = logging.INFO if c.log_decisions else logging.DEBUG
@@ -390,6 +407,20 @@ class Router:
             return error_response(503, "router is draining")
         return web.Response(status=200)
 
+    def readiness(self) -> dict:
+        """Ready = at least one healthy prefill and one healthy decode server."""
+        pool = self.pool
+        healthy = {"prefill": sum(w.available() for w in pool.prefills),
+                   "decode": sum(w.available() for w in pool.decodes)}
+        ready = not self.draining and healthy["prefill"] > 0 and healthy["decode"] > 0
+        return {"ready": ready, "draining": self.draining, "healthy": healthy,
+                "servers": {"prefill": len(pool.prefills), "decode": len(pool.decodes)}}
+
+    async def h_ready(self, request: web.Request) -> web.Response:
+        """Readiness for load balancers: 200 when requests can be served, else 503."""
+        state = self.readiness()
+        return json_response(state, 200 if state["ready"] else 503)
+
     async def h_health_generate(self, request: web.Request) -> web.Response:
         res = await self.fan_out("health_generate")
         bad = {s.url: st for s, st, _ in res if st != 200}
@@ -405,22 +436,31 @@ class Router:
                                            "avg_spec_accept_length": None}],
             "prefill": prefill, "decode": decode})
 
-    async def _proxy_first_prefill(self, path: str) -> web.Response:
-        s = self.pool.prefills[0]
-        try:
-            async with self.session.get(s.endpoint(path), timeout=aiohttp.ClientTimeout(total=30)) as r:
-                data = await r.read()
-                if r.status != 200:
-                    return error_response(502, f"{s.url}/{path} answered {r.status}")
-                return web.Response(body=data, status=200, content_type=JSON)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            return error_response(503, f"{s.url}/{path} unreachable: {type(e).__name__}")
+    async def _proxy_healthy(self, path: str) -> web.Response:
+        """``GET path`` from the first healthy worker that answers 200 (prefills first)."""
+        pool = self.pool
+        workers = [w for w in pool.prefills + pool.decodes if w.available()]
+        last = None
+        for s in workers:
+            try:
+                async with self.session.get(s.endpoint(path),
+                                            timeout=aiohttp.ClientTimeout(total=30)) as r:
+                    data = await r.read()
+                    if r.status == 200:
+                        return web.Response(body=data, status=200, content_type=JSON)
+                    last = f"answered HTTP {r.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                last = f"unreachable ({type(e).__name__})"
+            logger.warning("%s %s/%s %s", s.role, s.url, path, last)
+        if last is None:
+            return error_response(503, "no healthy worker", self.config.retry_after)
+        return error_response(502, f"no healthy worker answered /{path}: last one {last}")
 
     async def h_model_info(self, request: web.Request) -> web.Response:
-        return await self._proxy_first_prefill("model_info")
+        return await self._proxy_healthy("model_info")
 
     async def h_models(self, request: web.Request) -> web.Response:
-        return await self._proxy_first_prefill("v1/models")
+        return await self._proxy_healthy("v1/models")
 
     async def h_metrics(self, request: web.Request) -> web.Response:
         for s in self.pool.all():
@@ -479,7 +519,9 @@ class Router:
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300,
                                            keepalive_timeout=WORKER_KEEPALIVE_S),
-            json_serialize=lambda o: orjson.dumps(o).decode())
+            json_serialize=lambda o: orjson.dumps(o).decode(),
+            headers=({"Authorization": f"Bearer {self.worker_api_key}"}
+                     if self.worker_api_key else None))
         self.pool.session = self.session
         self.dispatcher.idle = asyncio.Event()  # bound to the serving loop
         if self.dispatcher.active == 0:
@@ -510,16 +552,19 @@ class Router:
         if self.session is not None:
             await self.session.close()
         self.upstream.close()
+        self.parser.close()
 
     def build_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._json_errors],
-                              client_max_size=int(self.config.max_body_mb * (1 << 20)))
+        app = web.Application(middlewares=[self._json_errors], client_max_size=self.body_limit)
         r, admin = app.router, self.admin
         r.add_post("/generate", self.h_generate)
         r.add_post("/v1/completions", self.h_completions)
         r.add_post("/v1/chat/completions", self.h_chat)
         r.add_get("/v1/models", self.h_models)
         r.add_get("/health", self.h_health)
+        r.add_get("/liveness", self.h_health)
+        r.add_get("/ready", self.h_ready)
+        r.add_get("/readiness", self.h_ready)
         r.add_get("/health_generate", self.h_health_generate)
         for path in ("/server_info", "/get_server_info"):
             r.add_get(path, self.h_server_info)
@@ -527,7 +572,7 @@ class Router:
             r.add_get(path, self.h_model_info)
         r.add_get("/metrics", self.h_metrics)
         r.add_post("/eldr/signature", self.intake.h_signature)
-        r.add_get("/eldr/status", self.h_status)
+        r.add_get("/eldr/status", admin.only(self.h_status))
         r.add_get("/eldr/calibration", self.h_calibration_get)
         r.add_post("/flush_cache", admin.only(admin.h_flush_cache))
         r.add_get("/eldr/decisions", admin.only(admin.h_decisions))
@@ -537,6 +582,28 @@ class Router:
 
     @web.middleware
     async def _json_errors(self, request: web.Request, handler) -> web.StreamResponse:
+        """The client conventions (API key, request id, OpenAI-shaped errors on /v1/*)
+        around :meth:`_guarded`; the header time limit stops once a request starts."""
+        self.guards.started(request)
+        try:
+            path = request.path
+            if path not in KEYED_PATHS and not path.startswith("/v1/"):
+                return await self._guarded(request, handler)
+            rid = request[REQUEST_ID_KEY] = self.request_ids.of(request)
+            if self.api_key and not bearer_matches(request, self.api_key):
+                self.metrics.errors.labels("unauthorized").inc()
+                resp = unauthorized()
+            else:
+                resp = await self._guarded(request, handler)
+            if not resp.prepared:  # a stream sets the header itself before its first byte
+                resp.headers[rid[0]] = rid[1]
+                if path.startswith("/v1/") and resp.status >= 400 and isinstance(resp, web.Response):
+                    resp = as_openai_error(resp)
+            return resp
+        finally:
+            self.guards.ended(request)
+
+    async def _guarded(self, request: web.Request, handler) -> web.StreamResponse:
         """Drain gate, and every error leaves as JSON ``{"error": ...}``; never a traceback."""
         if self.draining and request.path in WORK_PATHS:
             self.metrics.event("refused_draining")
@@ -571,13 +638,13 @@ async def start_router(router: Router, host: str = "127.0.0.1", port: int = 0,
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
+                           keepalive_timeout=CLIENT_KEEPALIVE_S)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
+    site = GuardedSite(runner, router.guards, host, port, reuse_port=reuse_port)
     try:
         await site.start()
     except OSError:
         await runner.cleanup()  # close the worker session and the signature stream
         raise
-    sock = site._server.sockets[0]  # type: ignore[union-attr]
-    return runner, sock.getsockname()[1]
+    return runner, site.sockets[0].getsockname()[1]

@@ -130,6 +130,25 @@ class RouterConfig:
     max_batch: int = _opt("largest batch (items of 'text'/'input_ids'); larger gets 413", 256)
     max_body_mb: float = _opt("largest request body (MiB); larger gets 413", 32.0)
     decisions_kept: int = _opt("routing decisions kept for GET /eldr/decisions", 256)
+    client_header_timeout: float = _opt(
+        "seconds a client has to send a request's headers (from its first byte, or from "
+        "connecting); then the connection is closed (0: no limit)", 10.0)
+    client_body_timeout: float = _opt(
+        "seconds a client has to send a request's body; then 408 (0: no limit)", 60.0)
+    worker_max_connections: int = _opt(
+        "connections open at once to one worker (streams hold one each); above it requests "
+        "queue in the router, never counted against the worker (0: no limit)", 1024)
+    # client and worker authentication, request ids (as sglang-router)
+    api_key: Optional[str] = _opt(
+        "clients must send 'Authorization: Bearer KEY' on the generate and OpenAI routes, "
+        "else 401 (default: env ELDR_API_KEY; none: open)")
+    worker_api_key: Optional[str] = _opt(
+        "sent to every worker as 'Authorization: Bearer KEY' (engines started with --api-key; "
+        "default: env ELDR_WORKER_API_KEY)")
+    request_id_headers: str = _opt(
+        "comma-separated request-id headers read from clients (first present wins), forwarded "
+        "to the workers and echoed in the answer; one is made up when none is sent",
+        "x-request-id,x-correlation-id,x-trace-id,request-id")
     # admin and logs
     admin_token: Optional[str] = _opt(
         "require 'Authorization: Bearer TOKEN' on admin endpoints (default: loopback clients only)")

@@ -41,6 +41,7 @@ from aiohttp import web
 from eldr_sglang.core.policies import Decision, RouteRequest, least_loaded
 from eldr_sglang.patches.publish import RETURN_ADDRESS_KEY
 from eldr_sglang.router import upstream
+from eldr_sglang.router.bodies import BadRequest, BodyError, batch_size, read_body, validate_openai
 from eldr_sglang.router.responses import (JSON, error_in_body, error_response,
                                           worker_error_response)
 from eldr_sglang.router.signatures import activation, combine, union
@@ -92,50 +93,6 @@ class _NoSignature(Exception):
 
 def _delivered(w: asyncio.Future) -> bool:
     return w.done() and not w.cancelled() and w.exception() is None
-
-
-class BadRequest(ValueError):
-    """The client's request is wrong: answered with ``status`` and the message."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def batch_size(body: dict, limit: int) -> Optional[int]:
-    """None for a single /generate request, else the batch length; BadRequest if malformed
-    or over ``limit`` items (413)."""
-    text, ids = body.get("text"), body.get("input_ids")
-    if text is not None and ids is not None:
-        raise BadRequest("give only one of 'text' and 'input_ids'")  # as SGLang does
-    items = text if text is not None else ids
-    if isinstance(items, list) and len(items) > limit and items and not isinstance(items[0], int):
-        raise BadRequest(f"batch of {len(items)} items; this router takes at most {limit} "
-                         "(--max-batch)", 413)
-    if text is not None:
-        if isinstance(text, str):
-            return None
-        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-            return len(text)
-        raise BadRequest("'text' must be a string or a non-empty list of strings")
-    if ids is not None:
-        if isinstance(ids, list) and ids:
-            if all(isinstance(t, int) for t in ids):
-                return None
-            if all(isinstance(t, list) and t and all(isinstance(x, int) for x in t) for t in ids):
-                return len(ids)
-        raise BadRequest("'input_ids' must be a non-empty list of ints or of int lists")
-    if body.get("input_embeds") is None:
-        raise BadRequest("request needs 'text', 'input_ids' or 'input_embeds'")
-    return None
-
-
-def validate_openai(endpoint: str, body: dict) -> None:
-    if endpoint == "v1/completions" and not isinstance(body.get("prompt"), (str, list)):
-        raise BadRequest("'prompt' must be a string or a list")
-    if endpoint == "v1/chat/completions" and not (
-            isinstance(body.get("messages"), list) and body["messages"]):
-        raise BadRequest("'messages' must be a non-empty list")
 
 
 def set_rid(body: dict, n: Optional[int]) -> list[str]:
@@ -192,18 +149,30 @@ class Dispatcher:
 
     # ------------------------------------------------------------ entry
     async def handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        """Read and validate the body first (size cap, time limit, off the loop when big);
+        only then take an admission slot, so slow or bad clients hold none."""
         r = self.r
+        t0 = time.perf_counter()
+        try:
+            raw = await read_body(request, r.body_limit, r.config.client_body_timeout or None)
+            body, n = await r.parser.request(raw, endpoint, r.config.max_batch)
+            rids = set_rid(body, n)
+        except BodyError as e:
+            return self._bad(str(e), e.status)
+        if r.draining:
+            r.metrics.event("refused_draining")
+            return error_response(503, "router is draining (shutting down); retry elsewhere",
+                                  r.config.retry_after)
         if self.active >= r.inflight_limit:
             r.metrics.overloaded.inc()
             return error_response(429, f"router at its in-flight limit ({r.inflight_limit} "
                                   "requests); retry later", r.config.retry_after)
-        t0 = time.perf_counter()
         self.active += 1
         self.idle.clear()
         r.metrics.client_requests.set(self.active)
         routing, status = r.routing, 0  # the A/B arm is the policy a request arrived under
         try:
-            resp = await self._handle(request, endpoint, t0)
+            resp = await self._handle(request, endpoint, t0, body, n, rids)
             status = resp.status
             return resp
         finally:
@@ -217,26 +186,13 @@ class Dispatcher:
                 r.ab.request_done(routing, elapsed, status)
 
     def _bad(self, message: str, status: int = 400) -> web.Response:
-        self.r.metrics.errors.labels("bad_request" if status == 400 else "too_large").inc()
+        kind = {400: "bad_request", 408: "body_timeout", 413: "too_large"}.get(status, "bad_request")
+        self.r.metrics.errors.labels(kind).inc()
         return error_response(status, message)
 
-    async def _handle(self, request: web.Request, endpoint: str, t0: float) -> web.StreamResponse:
+    async def _handle(self, request: web.Request, endpoint: str, t0: float, body: dict,
+                      n: Optional[int], rids: list[str]) -> web.StreamResponse:
         r = self.r
-        try:
-            body = orjson.loads(await request.read())
-        except orjson.JSONDecodeError as e:
-            return self._bad(f"invalid JSON body: {e}")
-        if not isinstance(body, dict):
-            return self._bad("request body must be a JSON object")
-        try:
-            if endpoint == "generate":
-                n = batch_size(body, r.config.max_batch)
-            else:
-                n = None
-                validate_openai(endpoint, body)
-            rids = set_rid(body, n)
-        except BadRequest as e:
-            return self._bad(str(e), e.status)
         label = r.label_of(request, body)
         stream = bool(body.get("stream", False))
         routing = r.routing
@@ -263,11 +219,14 @@ class Dispatcher:
             tried: set[int] = set()
             while True:
                 d, dec, loads = self.decide(route, tried, rids, routing)
+                if dec.reason == "policy_error":  # the signature does not fit the policy
+                    route = RouteRequest(label=label)
                 shadow = self._shadow(route, waiters, rooms[0], loads, dec.index) if r.shadow else None
                 r.record(rids, rooms, label, waiters, d, dec, loads, shadow)
                 ticket = r.pool.enter(d)
-                admitted = routing.policy.admit(dec.index, route)  # until the request ends
-                try:
+                admitted = None
+                try:  # every step after enter() is inside the release path
+                    admitted = self._admit(routing.policy, dec.index, route)
                     fl.decode_sent = True  # from here on the prefill is never re-sent
                     if not tried:
                         self._added.observe(time.perf_counter() - t0 - waited)
@@ -295,11 +254,26 @@ class Dispatcher:
             prefill_task.cancel()
             r.spawn(self.abort(rids, [fl.prefill] + ([d] if d is not None else [])))
             raise
+        except Exception:  # a router bug: nothing may stay held on the workers
+            prefill_task.cancel()
+            r.spawn(self.abort(rids, [fl.prefill] + ([d] if d is not None else [])))
+            raise
         finally:
             for room in rooms:
                 r.board.discard(room)
 
     # ------------------------------------------------------------ decision
+    def _admit(self, policy: Any, index: int, route: RouteRequest) -> Any:
+        """``policy.admit``; a signature it cannot take is a counted fallback (admitted
+        without it), never an error."""
+        try:
+            return policy.admit(index, route)
+        except (ValueError, IndexError) as e:
+            self.r.metrics.fallbacks.labels("policy_mismatch").inc()
+            self.r.intake.log.warn("policy_mismatch", "policy %s cannot take this signature: %s",
+                                   policy.name, e)
+            return policy.admit(index, RouteRequest(label=route.label))
+
     def _shadow(self, route: RouteRequest, waiters: list[asyncio.Future], room: int,
                 loads: list[int], chosen: int) -> dict:
         """The shadow policy's pick for this request: now if the route has its signature,
@@ -326,9 +300,10 @@ class Dispatcher:
         t0 = time.perf_counter()
         try:
             dec = routing.policy.explain(req, loads, allowed)
-        except (ValueError, IndexError) as e:
-            logger.error("policy %s failed (%s); using least loaded", routing.name, e)
-            r.metrics.errors.labels("policy").inc()
+        except (ValueError, IndexError) as e:  # e.g. a signature of other layers
+            r.intake.log.warn("policy_mismatch", "policy %s cannot route this request (%s); "
+                              "least loaded", routing.name, e)
+            r.metrics.fallbacks.labels("policy_mismatch").inc()
             dec = Decision(least_loaded(loads, np.flatnonzero(allowed), self._fallback_rng),
                            routing.name, "policy_error")
         m = r.metrics
@@ -337,8 +312,8 @@ class Dispatcher:
         if not routing.policy.needs_signature:
             kind = "blind"
         else:
-            kind = ("signature" if req.signature is not None or req.activation is not None
-                    else "fallback")
+            kind = ("signature" if (req.signature is not None or req.activation is not None)
+                    and dec.reason != "policy_error" else "fallback")
         key = (routing.name, kind, d.url)
         children = self._decision_children.get(key)
         if children is None:  # labels() lookups cost microseconds: once per key

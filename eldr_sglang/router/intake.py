@@ -4,7 +4,8 @@ Both validate each message (:func:`~eldr_sglang.router.signatures.parse_message`
 then against the artifact's layers x experts when there is one) before it reaches
 the board, refuse messages over ``signature_max_kb``, count every refusal and log
 refusals at most once per ``LOG_EVERY`` seconds per kind (a misconfigured engine
-must not flood the log).
+must not flood the log). Bodies and lines of ``OFF_LOOP_BYTES`` or more are parsed
+and validated in the parser process, off the event loop.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from typing import Any, Callable, Optional
 import orjson
 from aiohttp import web
 
+from eldr_sglang.router.bodies import BodyError, BodyParser, read_body
 from eldr_sglang.router.metrics import RouterMetrics
-from eldr_sglang.router.signatures import SignatureBoard, SignatureEncoder, SignatureError, parse_message
+from eldr_sglang.router.signatures import (SignatureBoard, SignatureEncoder, SignatureError,
+                                           parse_message, preparse)
 
 logger = logging.getLogger("eldr_sglang.router")
 LOG_EVERY = 10.0
@@ -47,8 +50,11 @@ class SignatureIntake:
     def __init__(self, board: SignatureBoard, metrics: RouterMetrics, max_bytes: int,
                  encoder: Callable[[], Optional[SignatureEncoder]],
                  buffering: Callable[[], bool],
-                 observer: Optional[Callable[[dict], None]] = None) -> None:
+                 observer: Optional[Callable[[dict], None]] = None,
+                 parser: Optional[BodyParser] = None, body_timeout: Optional[float] = None) -> None:
         self.board, self.metrics, self.max_bytes = board, metrics, max_bytes
+        self.parser = parser or BodyParser()
+        self.body_timeout = body_timeout
         self.encoder = encoder  # the router's current encoder (it changes on reloads)
         self.buffering = buffering  # whether unclaimed messages are worth keeping
         self.observer = observer  # sees every well-formed message (online calibration)
@@ -94,15 +100,13 @@ class SignatureIntake:
 
     # ------------------------------------------------------------ HTTP
     async def h_signature(self, request: web.Request) -> web.Response:
-        if (request.content_length or 0) > self.max_bytes:
-            self.refused("too_large", f"{request.content_length} bytes", request.remote)
-            return _json({"error": f"signature body over {self.max_bytes} bytes"}, 413)
-        raw = await request.content.read(self.max_bytes + 1)
-        if len(raw) > self.max_bytes:
-            self.refused("too_large", f"over {self.max_bytes} bytes", request.remote)
-            return _json({"error": f"signature body over {self.max_bytes} bytes"}, 413)
         try:
-            data = orjson.loads(raw)
+            raw = await read_body(request, self.max_bytes, self.body_timeout)
+        except BodyError as e:
+            self.refused("too_large" if e.status == 413 else "body_timeout", str(e), request.remote)
+            return _json({"error": f"signature body: {e}"}, e.status)
+        try:
+            data = await self.parser.run(preparse, raw)
         except orjson.JSONDecodeError as e:
             self.refused("bad_json", str(e), request.remote)
             return _json({"error": f"invalid JSON body: {e}"}, 400)
@@ -139,7 +143,7 @@ class SignatureIntake:
                 if line.isspace():
                     continue
                 try:
-                    data = orjson.loads(line)
+                    data = await self.parser.run(preparse, line)
                 except orjson.JSONDecodeError as e:
                     self.refused("bad_json", str(e), peer)
                     continue

@@ -23,12 +23,15 @@ import os
 import time
 from typing import TYPE_CHECKING, Optional
 
+import numpy as np
+
 from eldr_sglang.core.online import FitResult, OnlineCalibrator, model_from_message, run_fit
 
 if TYPE_CHECKING:
     from eldr_sglang.router.app import Router
 
 logger = logging.getLogger("eldr_sglang.router")
+WINDOW_MAX_BYTES = 2 << 30  # the online window of the first message's shape
 
 
 class OnlineController:
@@ -44,13 +47,40 @@ class OnlineController:
         self.executor: Optional[concurrent.futures.Executor] = None
         self.fitted_at: Optional[float] = time.time() if start is not None else None
         self.failures = 0
+        self.refused = 0  # messages of another shape than the window's
         self.last_error: Optional[str] = None
         m = router.metrics
         m.calibration_online.set(2 if start is not None else 1)
 
     # ------------------------------------------------------------ intake side
+    def fits(self, msg: dict) -> Optional[str]:
+        """Why ``msg`` cannot join the window (None: it can): it must have the live
+        artifact's layers and shape, else the window's; the first message's window must
+        stay within ``WINDOW_MAX_BYTES``. A message that does not fit is refused and
+        counted, never a reset of the window (one post of another shape would undo it)."""
+        layers, shape = [int(x) for x in msg["layers"]], tuple(np.shape(msg["counts"]))
+        art, window = self.calibrator.artifact, self.calibrator.window
+        if art is not None:
+            want = (list(art.layers), tuple(np.shape(art.idf)))
+        elif window.data is not None:
+            want = (window.layers, tuple(window.data.shape[1:]))
+        else:
+            size = window.capacity * int(np.prod(shape)) * 4
+            return None if size <= WINDOW_MAX_BYTES else (
+                f"a window of {window.capacity} x {list(shape)} counts would take {size >> 20} MiB")
+        if (layers, shape) != want:
+            return f"layers {layers} shape {list(shape)}, the window holds {want[0]} {list(want[1])}"
+        return None
+
     def observe(self, msg: dict) -> None:
         """One accepted signature message (called by the intake, on the event loop)."""
+        why = self.fits(msg)
+        if why is not None:
+            self.refused += 1
+            self.r.metrics.errors.labels("signature_online_mismatch").inc()
+            self.r.intake.log.warn("online_mismatch", "signature message not taken for the online "
+                                   "fit: %s", why)
+            return
         counts = msg["counts"]
         cal = self.calibrator
         cal.observe(counts, msg["layers"], model_from_message(msg, counts) if cal.model is None else None)
@@ -159,6 +189,7 @@ class OnlineController:
         self.update_gauges()
         return {**self.calibrator.describe(), "fitting": self.task is not None and not self.task.done(),
                 "fit_in": self.fit_in, "out": self.out, "failures": self.failures,
+                "refused": self.refused,
                 "last_error": self.last_error,
                 "age_s": None if self.fitted_at is None else round(time.time() - self.fitted_at, 3)}
 

@@ -22,12 +22,21 @@ from collections import OrderedDict, deque
 from typing import Any, Callable, Optional
 
 import numpy as np
+import orjson
 
 from eldr_sglang.core.artifact import DEFAULT_TAU
 from eldr_sglang.core.counts_codec import unpack_counts
 from eldr_sglang.core.signature import COUNT_VARIANTS
 
 MAX_ROOM = 2**64
+MAX_RID_CHARS = 512  # SGLang's rids are 32 hex characters; a client's own rid is short too
+MAX_LAYERS = 1024  # published layers per message (a model has at most a few hundred)
+MAX_NAME_CHARS = 256
+MAX_MODEL_BYTES = 1024  # the optional ``model`` object (name, layers, experts, top-k)
+# the message contract: any other field is dropped on intake (it would be memory the
+# byte cap of the board does not see)
+FIELDS = frozenset({"bootstrap_room", "rid", "prompt_tokens", "cached_tokens", "layers", "counts",
+                    "model", "model_name"})
 
 
 class SignatureError(ValueError):
@@ -49,9 +58,17 @@ def parse_message(obj: Any) -> dict:
     room = obj.get("bootstrap_room")
     if not _is_int(room) or not 0 <= room < MAX_ROOM:
         raise ValueError("bootstrap_room must be a non-negative 64-bit integer")
+    for key in [k for k in obj if k not in FIELDS]:
+        del obj[key]
     layers = obj.get("layers")
     if not isinstance(layers, list) or not set(map(type, layers)) <= {int}:  # C-speed; bools excluded
         raise ValueError("layers must be a list of integers")
+    if len(layers) > MAX_LAYERS:
+        raise ValueError(f"layers: {len(layers)} entries, at most {MAX_LAYERS}")
+    rid = obj.get("rid")
+    if rid is not None and (not isinstance(rid, str) or len(rid) > MAX_RID_CHARS):
+        raise ValueError(f"rid must be a string of at most {MAX_RID_CHARS} characters")
+    _check_model_fields(obj)
     counts = obj.get("counts")
     if isinstance(counts, dict):
         arr = unpack_counts(counts)
@@ -69,9 +86,41 @@ def parse_message(obj: Any) -> dict:
     for key in ("prompt_tokens", "cached_tokens"):
         if key in obj and obj[key] is not None and not _is_int(obj[key]):
             raise ValueError(f"{key} must be an integer")
-    if "rid" in obj and obj["rid"] is not None and not isinstance(obj["rid"], str):
-        raise ValueError("rid must be a string")
     return obj
+
+
+def preparse(raw: bytes) -> Any:
+    """A signature body parsed, each message validated where it can be (its counts an
+    array); the parser process runs it for big bodies (JSONDecodeError when invalid)."""
+    data = orjson.loads(raw)
+    for m in data if isinstance(data, list) else [data]:
+        try:
+            parse_message(m)
+        except ValueError:
+            pass  # validated again, refused and counted on intake
+    return data
+
+
+def _check_model_fields(obj: dict) -> None:
+    name = obj.get("model_name")
+    if name is not None and (not isinstance(name, str) or len(name) > MAX_NAME_CHARS):
+        raise ValueError(f"model_name must be a string of at most {MAX_NAME_CHARS} characters")
+    model = obj.get("model")
+    if model is not None and (not isinstance(model, dict)
+                              or len(orjson.dumps(model)) > MAX_MODEL_BYTES):
+        raise ValueError(f"model must be an object of at most {MAX_MODEL_BYTES} bytes")
+
+
+def message_bytes(msg: dict) -> int:
+    """Memory a parsed message holds: its counts array, rid, layers and model fields."""
+    counts = msg.get("counts")
+    size = counts.nbytes if isinstance(counts, np.ndarray) else 0
+    size += len(msg.get("rid") or "") + len(msg.get("model_name") or "")
+    size += 36 * len(msg.get("layers") or ())  # a list slot and an int object each
+    model = msg.get("model")
+    if isinstance(model, dict):
+        size += MAX_MODEL_BYTES
+    return size
 
 
 class SignatureBoard:
@@ -85,7 +134,7 @@ class SignatureBoard:
     periodic :meth:`sweep`.
     """
 
-    OVERHEAD = 512  # bytes of a buffered message besides its counts array (dict, ints)
+    OVERHEAD = 512  # bytes of a buffered message besides its fields' contents (dict, ints)
 
     def __init__(self, ttl: float = 10.0, max_buffered: int = 4096, max_bytes: int = 64 << 20,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -100,8 +149,7 @@ class SignatureBoard:
 
     @classmethod
     def size_of(cls, msg: dict) -> int:
-        counts = msg.get("counts")
-        return cls.OVERHEAD + (counts.nbytes if isinstance(counts, np.ndarray) else 0)
+        return cls.OVERHEAD + message_bytes(msg)
 
     def sweep(self) -> None:
         """Drop expired buffered messages (and the oldest beyond the bounds)."""

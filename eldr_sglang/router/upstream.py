@@ -12,11 +12,18 @@ Time limits, per client and per request: ``timeout`` (the whole answer),
 ``idle_timeout`` (each wait for more body bytes: a stream that stalls). Idle
 connections are closed by a timer once idle for ``keepalive`` seconds.
 
+Connections per worker are capped (``max_per_worker``): above it a request waits in
+a FIFO queue for a connection to come free (handed over directly) or to close, so
+a burst queues in the router instead of flooding the worker's listen queue; a
+request that waits past its deadline fails with :class:`Saturated`, the router's
+own limit, never the worker's fault.
+
 Errors say whether the worker can have seen the request:
 :class:`ConnectError` (never connected: safe to send elsewhere),
 :class:`Disconnected` (connection lost after sending) and :class:`Timeout` (with the
 ``phase`` that ran out). :class:`LocalResourceError` is the router's own fault (out of
-file descriptors or memory while connecting), not the worker's.
+file descriptors or memory while connecting, or no connection came free in time),
+not the worker's. Each error's ``public`` text names no address (client answers).
 """
 
 from __future__ import annotations
@@ -27,19 +34,23 @@ import errno
 import ssl
 import time
 import urllib.parse
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional, Sequence
 
 import httptools
 
-__all__ = ["UpstreamError", "ConnectError", "LocalResourceError", "Disconnected", "Timeout",
-           "UpstreamResponse", "UpstreamClient"]
+__all__ = ["UpstreamError", "ConnectError", "LocalResourceError", "Saturated", "Disconnected",
+           "Timeout", "UpstreamResponse", "UpstreamClient"]
 
 PAUSE_BYTES = 1 << 20  # stop reading a connection holding this much unread body
 LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 class UpstreamError(Exception):
-    """A worker request failed below HTTP."""
+    """A worker request failed below HTTP; ``public``: the same without addresses."""
+
+    def __init__(self, message: str = "worker request failed", public: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.public = public or message
 
 
 class ConnectError(UpstreamError):
@@ -50,6 +61,10 @@ class LocalResourceError(UpstreamError):
     """No connection because the router ran out of file descriptors or memory."""
 
 
+class Saturated(LocalResourceError):
+    """Every connection to the worker stayed busy until the request's deadline."""
+
+
 class Disconnected(UpstreamError):
     """The connection broke after the request was sent (or the answer was not HTTP)."""
 
@@ -58,7 +73,7 @@ class Timeout(UpstreamError, asyncio.TimeoutError):
     """A time limit ran out; ``phase`` says which: "first_byte", "idle" or "total"."""
 
     def __init__(self, message: str = "worker answer timed out", phase: str = "total") -> None:
-        super().__init__(message)
+        super().__init__(message, message)
         self.phase = phase
 
 
@@ -71,8 +86,9 @@ def _limit(value: Optional[float], default: Optional[float] = None) -> Optional[
 class _Conn(asyncio.Protocol):
     """One connection; parses one response at a time into an :class:`UpstreamResponse`."""
 
-    def __init__(self, live: set[_Conn]) -> None:
+    def __init__(self, live: set[_Conn], on_closed: Optional[Callable[[_Conn], None]] = None) -> None:
         self.live = live  # the client's open connections
+        self.on_closed = on_closed  # called once, when the connection closes
         self.transport: Optional[asyncio.Transport] = None
         self.parser: Optional[httptools.HttpResponseParser] = None  # a new one per request
         self.resp: Optional[UpstreamResponse] = None
@@ -95,10 +111,16 @@ class _Conn(asyncio.Protocol):
             self.close()
 
     def connection_lost(self, exc: Optional[BaseException]) -> None:
-        self.closed = True
-        self.live.discard(self)
+        self._closing()
         if self.resp is not None:
             self.resp._eof()
+
+    def _closing(self) -> None:
+        self.closed = True
+        self.live.discard(self)
+        callback, self.on_closed = self.on_closed, None
+        if callback is not None:
+            callback(self)
 
     # parser callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -115,8 +137,7 @@ class _Conn(asyncio.Protocol):
         resp._complete(self.parser.should_keep_alive())
 
     def close(self) -> None:
-        self.closed = True
-        self.live.discard(self)
+        self._closing()
         if self.transport is not None:
             self.transport.close()
 
@@ -247,23 +268,34 @@ class UpstreamResponse:
             self._conn.close()
 
 
+_PERMIT = object()  # a waiter may open a new connection (its slot is counted already)
+
+
 class UpstreamClient:
     """Keep-alive POSTs: ``resp = await client.post(url, body)``, then read and release.
 
-    Limits in seconds; None, 0 or negative: no limit."""
+    Limits in seconds; None, 0 or negative: no limit. ``max_per_worker``: connections
+    open at once to one worker (None or 0: no cap). ``api_key``: sent as
+    ``Authorization: Bearer`` with every request."""
 
     def __init__(self, timeout: Optional[float] = None, connect_timeout: Optional[float] = None,
                  keepalive: float = 3.0, user_agent: str = "eldr-router", *,
                  first_byte_timeout: Optional[float] = None,
-                 idle_timeout: Optional[float] = None) -> None:
+                 idle_timeout: Optional[float] = None, max_per_worker: Optional[int] = None,
+                 api_key: Optional[str] = None) -> None:
         self.timeout = _limit(timeout)
         self.connect_timeout = _limit(connect_timeout)
         self.first_byte_timeout = _limit(first_byte_timeout)
         self.idle_timeout = _limit(idle_timeout)
         self.keepalive = keepalive
         self.user_agent = user_agent
+        self.max_per_worker = max_per_worker if max_per_worker and max_per_worker > 0 else None
+        self._auth = b"Authorization: Bearer %s\r\n" % api_key.encode() if api_key else b""
         self._idle: dict[tuple, list[_Conn]] = {}  # oldest first
         self._live: set[_Conn] = set()
+        self._count: dict[tuple, int] = {}  # connections per worker: open, in use or connecting
+        self._waiting: dict[tuple, collections.deque[asyncio.Future]] = {}
+        self.queued = 0  # requests that waited for a connection
         self._sweeper: Optional[asyncio.TimerHandle] = None
         self._targets: dict[str, tuple] = {}  # url -> (host, port, ssl, path, host header)
         self._ssl: Optional[ssl.SSLContext] = None
@@ -277,6 +309,11 @@ class UpstreamClient:
     def open_connections(self) -> int:
         """Open connections, idle or in use."""
         return len(self._live)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting now for a connection to a worker."""
+        return sum(len(q) for q in self._waiting.values())
 
     def _target(self, url: str) -> tuple:
         t = self._targets.get(url)
@@ -292,7 +329,15 @@ class UpstreamClient:
                 self._targets.clear()
         return t
 
+    # ------------------------------------------------------------ connection slots
     def _put(self, key: tuple, conn: _Conn) -> None:
+        """A connection came free: to the first waiter, else into the idle pool."""
+        queue = self._waiting.get(key)
+        while queue:
+            fut = queue.popleft()
+            if not fut.done():
+                fut.set_result(conn)
+                return
         if self.keepalive <= 0:
             conn.close()
             return
@@ -300,6 +345,20 @@ class UpstreamClient:
         self._idle.setdefault(key, []).append(conn)
         if self._sweeper is None:
             self._arm_sweeper()
+
+    def _closed(self, key: tuple, conn: _Conn) -> None:
+        """A connection closed: its slot goes to the first waiter (to connect anew)."""
+        self._count[key] = self._count.get(key, 1) - 1
+        self._wake(key)
+
+    def _wake(self, key: tuple) -> None:
+        queue = self._waiting.get(key)
+        while queue:
+            fut = queue.popleft()
+            if not fut.done():
+                self._count[key] = self._count.get(key, 0) + 1
+                fut.set_result(_PERMIT)
+                return
 
     def _get(self, key: tuple) -> Optional[_Conn]:
         pool = self._idle.get(key)
@@ -310,6 +369,59 @@ class UpstreamClient:
                 return conn
             conn.close()
         return None
+
+    def _take(self, key: tuple) -> object:
+        """An idle connection, a permit to open one, or None (wait)."""
+        conn = self._get(key)
+        if conn is not None:
+            return conn
+        n = self._count.get(key, 0)
+        if self.max_per_worker is None or n < self.max_per_worker:
+            self._count[key] = n + 1
+            return _PERMIT
+        return None
+
+    def _give_back(self, key: tuple, got: object) -> None:
+        """Return what a waiter got but will not use."""
+        if got is _PERMIT:
+            self._count[key] = self._count.get(key, 1) - 1
+            self._wake(key)
+        elif isinstance(got, _Conn) and not got.closed:
+            self._put(key, got)
+
+    async def _acquire(self, key: tuple, host: str, port: int, secure: bool,
+                       deadline: Optional[float]) -> _Conn:
+        while True:
+            got = self._take(key)
+            if got is None:  # every connection busy: queue (FIFO)
+                fut = asyncio.get_running_loop().create_future()
+                self._waiting.setdefault(key, collections.deque()).append(fut)
+                self.queued += 1
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        got = await fut
+                except TimeoutError:
+                    raise Saturated(
+                        f"all {self.max_per_worker} connections to {host}:{port} stayed busy",
+                        f"all {self.max_per_worker} connections to the worker stayed busy "
+                        "(the router's limit: --worker-max-connections)") from None
+                except BaseException:
+                    if fut.done() and not fut.cancelled():
+                        self._give_back(key, fut.result())
+                    raise
+                finally:
+                    queue = self._waiting.get(key)
+                    if queue is not None and fut in queue:
+                        queue.remove(fut)
+            if got is _PERMIT:
+                try:
+                    return await self._connect(key, host, port, secure)
+                except BaseException:
+                    self._give_back(key, _PERMIT)
+                    raise
+            conn = got
+            if not conn.closed and not conn.transport.is_closing():
+                return conn
 
     def _sweep(self) -> None:
         """Close the connections idle for ``keepalive``; runs again while any stay idle."""
@@ -329,44 +441,54 @@ class UpstreamClient:
         self._sweeper = asyncio.get_running_loop().call_later(max(self.keepalive / 2, 0.05),
                                                               self._sweep)
 
-    async def _connect(self, host: str, port: int, secure: bool) -> _Conn:
+    async def _connect(self, key: tuple, host: str, port: int, secure: bool) -> _Conn:
         loop = asyncio.get_running_loop()
         if secure and self._ssl is None:
             self._ssl = ssl.create_default_context()
+        on_closed = lambda conn: self._closed(key, conn)  # noqa: E731
         try:
             async with asyncio.timeout(self.connect_timeout):
                 _, conn = await loop.create_connection(
-                    lambda: _Conn(self._live), host, port, ssl=self._ssl if secure else None)
+                    lambda: _Conn(self._live, on_closed), host, port,
+                    ssl=self._ssl if secure else None)
         except TimeoutError:
-            raise ConnectError(f"connect to {host}:{port} timed out") from None
+            raise ConnectError(f"connect to {host}:{port} timed out",
+                               "connection to the worker timed out") from None
         except OSError as e:
             if e.errno in LOCAL_ERRNOS:
                 raise LocalResourceError(f"router's own limit reached (not the worker's fault) "
-                                         f"connecting to {host}:{port}: {e}") from None
-            raise ConnectError(f"cannot connect to {host}:{port}: {e}") from None
+                                         f"connecting to {host}:{port}: {e}",
+                                         "router out of file descriptors or memory (not the "
+                                         "worker's fault)") from None
+            raise ConnectError(f"cannot connect to {host}:{port}: {e}",
+                               f"cannot connect to the worker ({e.strerror or type(e).__name__})") from None
         return conn
 
     async def post(self, url: str, body: bytes, content_type: bytes = b"application/json",
                    timeout: Optional[float] = None, *, first_byte_timeout: Optional[float] = None,
-                   idle_timeout: Optional[float] = None) -> UpstreamResponse:
-        """Send ``body``; returns once the status line and headers arrived.
+                   idle_timeout: Optional[float] = None,
+                   headers: Sequence[tuple[str, str]] = (),
+                   on_sent: Optional[Callable[[], None]] = None) -> UpstreamResponse:
+        """Send ``body``; returns once the status line and headers arrived. ``on_sent``
+        is called once the request is written (the worker may have seen it).
 
         Each limit overrides the client's when not None (0 or negative: no limit)."""
         host, port, secure, path, netloc = self._target(url)
         key = (host, port, secure)
         total = _limit(timeout, self.timeout)
         deadline = asyncio.get_running_loop().time() + total if total else None
-        conn = self._get(key)
-        if conn is None or conn.transport.is_closing():
-            conn = await self._connect(host, port, secure)
+        conn = await self._acquire(key, host, port, secure, deadline)
         resp = UpstreamResponse(self, key, conn, deadline, total,
                                 _limit(idle_timeout, self.idle_timeout))
         conn.resp = resp
         conn.parser = httptools.HttpResponseParser(conn)
-        conn.transport.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nUser-Agent: %s\r\n"
+        extra = b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in headers)
+        conn.transport.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nUser-Agent: %s\r\n%s%s"
                              b"Content-Type: %s\r\nContent-Length: %d\r\n\r\n%s" % (
                                  path.encode(), netloc.encode(), self.user_agent.encode(),
-                                 content_type, len(body), body))
+                                 self._auth, extra, content_type, len(body), body))
+        if on_sent is not None:
+            on_sent()
         await resp._start(_limit(first_byte_timeout, self.first_byte_timeout))
         return resp
 
@@ -376,6 +498,6 @@ class UpstreamClient:
             self._sweeper.cancel()
             self._sweeper = None
         for pool in self._idle.values():
-            for conn in pool:
+            for conn in list(pool):
                 conn.close()
         self._idle.clear()

@@ -1,0 +1,168 @@
+"""Request bodies: read under a size cap and a time limit, validated, parsed off the
+event loop when big.
+
+orjson holds the GIL for a whole parse, so a thread would not free the event loop:
+a body over ``OFF_LOOP_BYTES`` is parsed and validated in a one-worker process, which
+hands back the small fields as a dict and the bulky ones (prompt text, token ids,
+messages) as JSON fragments (:class:`orjson.Fragment`) that are forwarded as they
+came, never turned into Python objects here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import multiprocessing
+from typing import Any, Optional
+
+import orjson
+from aiohttp import web
+
+OFF_LOOP_BYTES = 1 << 20  # bodies at least this large are parsed in the parser process
+ADMIN_BODY_BYTES = 64 << 10  # admin POSTs: server lists, a calibration path
+BULK_FIELDS = ("text", "input_ids", "input_embeds", "prompt", "messages")
+ADMIN_BODY_KEY = web.RequestKey("eldr_admin_body", bytes)  # an admin request's body, read
+
+
+class BodyError(Exception):
+    """A body the router will not take: answered with ``status`` and the message."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class BadRequest(BodyError, ValueError):
+    """The client's request is wrong (400, or 413 for a batch over the limit)."""
+
+
+async def read_body(request: web.Request, limit: int, timeout: Optional[float]) -> bytes:
+    """The whole body, at most ``limit`` bytes (413 beyond), within ``timeout`` seconds
+    (408 beyond; None: no limit)."""
+    if (request.content_length or 0) > limit:
+        raise BodyError(f"request body too large: {request.content_length} bytes, this route "
+                        f"takes at most {limit}", 413)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                chunk = await request.content.readany()
+                if not chunk:
+                    break
+                size += len(chunk)
+                if size > limit:
+                    raise BodyError(f"request body too large: over {limit} bytes", 413)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise BodyError(f"request body not received within {timeout} s", 408) from None
+    return b"".join(chunks)
+
+
+# ------------------------------------------------------------------ validation
+def batch_size(body: dict, limit: int) -> Optional[int]:
+    """None for a single /generate request, else the batch length; BadRequest if malformed
+    or over ``limit`` items (413)."""
+    text, ids = body.get("text"), body.get("input_ids")
+    if text is not None and ids is not None:
+        raise BadRequest("give only one of 'text' and 'input_ids'")  # as SGLang does
+    items = text if text is not None else ids
+    if isinstance(items, list) and len(items) > limit and items and not isinstance(items[0], int):
+        raise BadRequest(f"batch of {len(items)} items; this router takes at most {limit} "
+                         "(--max-batch)", 413)
+    if text is not None:
+        if isinstance(text, str):
+            return None
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return len(text)
+        raise BadRequest("'text' must be a string or a non-empty list of strings")
+    if ids is not None:
+        if isinstance(ids, list) and ids:
+            if all(isinstance(t, int) for t in ids):
+                return None
+            if all(isinstance(t, list) and t and all(isinstance(x, int) for x in t) for t in ids):
+                return len(ids)
+        raise BadRequest("'input_ids' must be a non-empty list of ints or of int lists")
+    if body.get("input_embeds") is None:
+        raise BadRequest("request needs 'text', 'input_ids' or 'input_embeds'")
+    return None
+
+
+def validate_openai(endpoint: str, body: dict, limit: int) -> None:
+    """The OpenAI routes' required fields; a ``prompt`` list of prompts over ``limit`` is 413."""
+    if endpoint == "v1/completions":
+        prompt = body.get("prompt")
+        if not isinstance(prompt, (str, list)):
+            raise BadRequest("'prompt' must be a string or a list")
+        if isinstance(prompt, list) and len(prompt) > limit and not isinstance(prompt[0], int):
+            raise BadRequest(f"batch of {len(prompt)} prompts; this router takes at most {limit} "
+                             "(--max-batch)", 413)
+    if endpoint == "v1/chat/completions" and not (
+            isinstance(body.get("messages"), list) and body["messages"]):
+        raise BadRequest("'messages' must be a non-empty list")
+
+
+def prepare(raw: bytes, endpoint: str, max_batch: int, split: bool = False) -> tuple:
+    """Parse and validate one client body: ``("ok", body, batch size, fragments)`` or
+    ``("error", status, message)``. ``split``: the bulky fields leave ``body`` as JSON
+    bytes in ``fragments`` (the parser process's answer stays small to unpickle)."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        return "error", 400, f"invalid JSON body: {e}"
+    if not isinstance(body, dict):
+        return "error", 400, "request body must be a JSON object"
+    try:
+        if endpoint == "generate":
+            n = batch_size(body, max_batch)
+        else:
+            n = None
+            validate_openai(endpoint, body, max_batch)
+    except BadRequest as e:
+        return "error", e.status, str(e)
+    fragments = {}
+    if split:
+        fragments = {k: orjson.dumps(body.pop(k)) for k in BULK_FIELDS if k in body}
+    return "ok", body, n, fragments
+
+
+class BodyParser:
+    """:func:`prepare` on the event loop for small bodies, in one worker process for big ones."""
+
+    def __init__(self, off_loop_bytes: int = OFF_LOOP_BYTES) -> None:
+        self.off_loop_bytes = off_loop_bytes
+        self.executor: Optional[concurrent.futures.ProcessPoolExecutor] = None
+        self.off_loop = 0  # bodies parsed in the worker process
+
+    def _pool(self) -> concurrent.futures.ProcessPoolExecutor:
+        if self.executor is None:
+            self.executor = concurrent.futures.ProcessPoolExecutor(
+                1, mp_context=multiprocessing.get_context("spawn"))
+        return self.executor
+
+    async def run(self, fn, raw: bytes, *args: Any) -> Any:
+        """``fn(raw, *args)``: here for a small body, in the parser process for a big one
+        (``fn`` must be a module-level function)."""
+        if len(raw) < self.off_loop_bytes:
+            return fn(raw, *args)
+        self.off_loop += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool(), fn, raw, *args)
+        except concurrent.futures.process.BrokenProcessPool:
+            self.executor = None
+            raise
+
+    async def request(self, raw: bytes, endpoint: str, max_batch: int) -> tuple[dict, Optional[int]]:
+        """(body, batch size); BadRequest (4xx) when the body is not a valid request."""
+        out = await self.run(prepare, raw, endpoint, max_batch, len(raw) >= self.off_loop_bytes)
+        if out[0] == "error":
+            raise BadRequest(out[2], out[1])
+        _, body, n, fragments = out
+        for key, value in fragments.items():
+            body[key] = orjson.Fragment(value)
+        return body, n
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+            self.executor = None
