@@ -21,8 +21,10 @@ SUPPORTED_SGLANG = "0.5.23"  # the hook targets below are read from this version
 TARGETS = {
     "prepare_server_args": "sglang.srt.server_args.prepare_server_args",
     "validate_prefill_complete": "sglang.srt.arg_groups.pd_disaggregation_hook._validate_prefill_complete",
+    "init_cuda_graphs": "sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs",
     "forward": "sglang.srt.model_executor.model_runner.ModelRunner.forward",
     "select_experts": "sglang.srt.layers.moe.topk.select_experts",
+    "topk_forward_cuda": "sglang.srt.layers.moe.topk.TopK.forward_cuda",
     "disagg_prefill": "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin"
                       ".process_batch_result_disagg_prefill",
     "release": "sglang.srt.mem_cache.common.release_kv_cache",
@@ -30,9 +32,19 @@ TARGETS = {
     "output_streamer": "sglang.srt.managers.scheduler.Scheduler.get_output_streamer_class",
 }
 
-# read (not hooked): physical -> logical expert ids under EPLB / redundant experts
+# read (not hooked), after each forward: physical -> logical expert ids under EPLB,
+# the live batch's slots and attention-DP layout, the decode graph's batch size
 READS = {
     "expert_location": "sglang.srt.eplb.expert_location.get_global_expert_location_metadata",
+    "dp_gather_slot": "sglang.srt.layers.dp_attention.dp_gather_slot",
+    "dp_enabled": "sglang.srt.layers.dp_attention.is_dp_attention_enabled",
+    "out_cache_loc_virtual": "sglang.srt.model_executor.forward_batch_info.ForwardBatch.out_cache_loc_virtual",
+    "global_num_tokens_cpu": "sglang.srt.model_executor.forward_batch_info.ForwardBatch.global_num_tokens_cpu",
+    "global_num_tokens_padded_cpu":
+        "sglang.srt.model_executor.forward_batch_info.ForwardBatch.global_num_tokens_padded_cpu",
+    "can_run_graph": "sglang.srt.model_executor.model_runner.ModelRunnerOutput.can_run_graph",
+    "parallel": "sglang.srt.runtime_context.get_parallel",
+    "exec": "sglang.srt.runtime_context.get_exec",
 }
 
 
@@ -48,7 +60,9 @@ def missing_targets() -> list[str]:
             except ImportError:
                 continue
             try:
-                for name in parts[cut:]:
+                for i, name in enumerate(parts[cut:], start=cut):
+                    if i == len(parts) - 1 and name in getattr(obj, "__dataclass_fields__", {}):
+                        break  # a dataclass field without a default (an instance attribute)
                     obj = getattr(obj, name)
             except AttributeError:
                 missing.append(path)
@@ -98,10 +112,12 @@ def register_capture(config) -> None:
 
     if state.STATE is not None:
         return
-    state.STATE = state.CaptureState(config)  # tensors and publisher: at the first forward
+    state.STATE = state.CaptureState(config)  # tensors and publisher: before the CUDA graphs
     HookRegistry.register(TARGETS["scheduler_init"], capture.scheduler_init_after, HookType.AFTER)
+    HookRegistry.register(TARGETS["init_cuda_graphs"], capture.init_cuda_graphs_before, HookType.BEFORE)
     HookRegistry.register(TARGETS["forward"], capture.forward_around, HookType.AROUND)
     HookRegistry.register(TARGETS["select_experts"], capture.select_experts_after, HookType.AFTER)
+    HookRegistry.register(TARGETS["topk_forward_cuda"], capture.topk_forward_after, HookType.AFTER)
     HookRegistry.register(TARGETS["disagg_prefill"], signatures.disagg_prefill_around, HookType.AROUND)
     HookRegistry.register(TARGETS["output_streamer"], signatures.output_streamer_class_after, HookType.AFTER)
     HookRegistry.register(TARGETS["release"], signatures.release_before, HookType.BEFORE)

@@ -214,19 +214,37 @@ def check_model_dims(config: EngineConfig, num_layers, num_experts, top_k) -> No
 
 
 GRAPH_FLAGS = {"prefill": "--disable-prefill-cuda-graph", "decode": "--disable-decode-cuda-graph"}
+TWO_BATCH_OVERLAP = "--enable-two-batch-overlap"
+# MoE runner backends whose top-k output skips select_experts (TRITON_KERNEL, BYPASSED formats)
+BYPASSING_MOE_BACKENDS = ("triton_kernel", "flashinfer_trtllm", "experimental_sgl_trtllm", "flashinfer_mxfp4")
+
+
+def graph_off_reasons(config: EngineConfig, argv: list[str]) -> dict[str, str]:
+    """Phases whose CUDA graph the capture cannot run in, with the reason.
+
+    The capture is graph-safe (static staging written inside the forward, the
+    live batch read after it), so the graphs stay on for signatures and decode
+    statistics. Two cases read the live batch inside the forward:
+
+    * trace mode: per-request gate sums need ``extend_seq_lens`` per prefill
+      (prefill only; its per-request decode counts are made after the forward);
+    * two-batch overlap: the two micro-batches of a forward share the staging
+      rows, told apart only by a Python cursor (both phases)."""
+    reasons: dict[str, str] = {}
+    if config.trace_dir:
+        reasons["prefill"] = "trace mode sums gate probabilities per request inside the forward"
+    if any(a == TWO_BATCH_OVERLAP or a.startswith(TWO_BATCH_OVERLAP + "=") for a in argv):
+        for phase in GRAPH_FLAGS:
+            reasons[phase] = "two-batch overlap splits each forward into micro-batches that share the staging rows"
+    return reasons
 
 
 def graph_safe_argv(config: EngineConfig, argv: list[str], gpu: bool | None = None) -> list[str]:
-    """SGLang's argv with the CUDA graphs the capture cannot see turned off.
-
-    The expert ids are taken in Python hooks around ``ModelRunner.forward`` and
-    ``select_experts``; SGLang 0.5.23 captures prefill and decode into CUDA graphs on
-    GPUs by default, and graph replays bypass those hooks (signatures empty or stale,
-    the decode metric 0). So on a GPU server where ELDR captures, the phases it needs
-    run eagerly: prefill when the slot table is used (signatures, traces), decode when
-    decode statistics are served (``--eldr-metrics-port``) or traced. Each change is
-    logged; nothing changes on CPU or when the operator already chose a backend for
-    that phase. The cost (eager vs graph step time) is not measured here (no GPU)."""
+    """SGLang's argv with a CUDA graph turned off only where ELDR's capture cannot
+    run inside it (:func:`graph_off_reasons`), each change logged. Signatures and
+    decode statistics keep both graphs on. Nothing changes on CPU, without ELDR
+    capture, or for a phase whose graph backend the operator chose explicitly
+    (then a warning says what the capture misses there)."""
     if gpu is None:
         import torch
 
@@ -234,20 +252,30 @@ def graph_safe_argv(config: EngineConfig, argv: list[str], gpu: bool | None = No
         gpu = device in ("cuda", "hip") or (device is None and torch.cuda.is_available())
     if not gpu or not config.active:
         return argv
-    needs = {"prefill": bool(config.calibration or config.layers or config.trace_dir),
-             "decode": bool(config.metrics_port or config.trace_dir)}
     out = list(argv)
+    reasons = graph_off_reasons(config, argv)
     for phase, flag in GRAPH_FLAGS.items():
-        chosen = any(a == flag or a.startswith(f"--cuda-graph-backend-{phase}") for a in argv) \
-            or "--cuda-graph-config" in argv or "--disable-cuda-graph" in argv
-        if needs[phase] and not chosen:
-            out.append(flag)
-            logger.warning("eldr-sglang: %s CUDA graph turned off on this server (%s): the expert "
-                           "capture runs in Python hooks that graph replays bypass", phase, flag)
-        elif needs[phase] and _argv_value(argv, f"--cuda-graph-backend-{phase}") != "disabled" \
-                and flag not in argv and "--disable-cuda-graph" not in argv:
-            logger.warning("eldr-sglang: the %s CUDA graph backend was set explicitly and stays on: "
-                           "ELDR's %s capture is blind under graph replays", phase, phase)
+        if phase not in reasons:
+            continue
+        off_already = flag in argv or "--disable-cuda-graph" in argv \
+            or _argv_value(argv, f"--cuda-graph-backend-{phase}") == "disabled"
+        chosen = _argv_value(argv, f"--cuda-graph-backend-{phase}") is not None or "--cuda-graph-config" in argv \
+            or any(a.startswith("--cuda-graph-config=") for a in argv)
+        if off_already:
+            continue
+        if chosen:
+            logger.warning("eldr-sglang: the %s CUDA graph backend was set explicitly and stays on, but %s: "
+                           "that capture is wrong under graph replays", phase, reasons[phase])
+            continue
+        out.append(flag)
+        logger.warning("eldr-sglang: %s CUDA graph turned off on this server (%s): %s", phase, flag, reasons[phase])
+    kept = [phase for phase in GRAPH_FLAGS if phase not in reasons]
+    if kept:
+        logger.info("eldr-sglang: %s CUDA graph(s) stay on: the expert capture is graph-safe", " and ".join(kept))
+    backend = _argv_value(argv, "--moe-runner-backend")
+    if backend in BYPASSING_MOE_BACKENDS:
+        logger.info("eldr-sglang: --moe-runner-backend %s routes without select_experts; the captured layers "
+                    "compute their top-k once more through select_experts (graph-safe)", backend)
     return out
 
 

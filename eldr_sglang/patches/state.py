@@ -1,5 +1,7 @@
-"""The engine plugin's state in one scheduler process: one typed object, built at the
-first forward (``initialise``) and found by every hook through :data:`STATE`.
+"""The engine plugin's state in one scheduler process: one typed object, found by
+every hook through :data:`STATE`, its tensors built by :func:`initialise` before
+SGLang captures its CUDA graphs (``ModelRunner.init_cuda_graphs``) and never
+reallocated afterwards (a graph bakes their addresses in).
 
 Set by ``eldr_sglang.patches.register_capture`` when ELDR flags are given; None
 otherwise (the hooks then do nothing).
@@ -16,6 +18,7 @@ import torch
 from eldr_sglang.patches.flags import REQUEST_ONLY, SPREAD, EngineConfig, FlagError, check_model_dims
 from eldr_sglang.patches.publish import SignaturePublisher
 from eldr_sglang.radix_signature import ExpertSlotTable
+from eldr_sglang.radix_signature.staging import ExpertStage
 
 logger = logging.getLogger("eldr_sglang.capture")
 
@@ -30,7 +33,8 @@ class DecodeStats:
     steps: int = 0
     tokens: int = 0
     unique_total: torch.Tensor | None = None
-    active: torch.Tensor | None = None  # [num_layers, num_experts] bool for the running step
+    active: torch.Tensor | None = None  # [num_layers, num_experts] bool for the last step (a view of hits)
+    hits: torch.Tensor | None = None  # [num_layers, num_experts + 1]: the last column takes invalid ids
 
     def mean_unique_per_step(self) -> float:
         return float(self.unique_total.item()) / self.steps if self.steps and self.unique_total is not None else 0.0
@@ -40,8 +44,13 @@ class DecodeStats:
 class CaptureState:
     config: EngineConfig
     table: ExpertSlotTable | None = None
+    stage: ExpertStage | None = None  # written inside the forward (graph-safe), read after it
+    table_columns: torch.Tensor | None = None  # stage column of each table layer (None: the same layers)
+    physical_ids: bool = False  # select_experts returned physical expert slots (EPLB dispatch)
+    cursor: dict | None = None  # two-batch overlap (eager only): next stage row per layer
+    capacity_logged: bool = False
     decode: DecodeStats = field(default_factory=DecodeStats)
-    forward_batch: object | None = None
+    forward_batch: object | None = None  # the live batch: read by trace-mode gate sums only (eager)
     ready: bool = False
     failed: set = field(default_factory=set)
     publisher: object | None = None
@@ -112,8 +121,44 @@ def leads_its_requests() -> bool:
         return True
 
 
+def staging_rows(model_runner) -> int:
+    """Rows one forward can hand the MoE layers: the larger of a prefill chunk and
+    the running requests, times the attention-DP ranks gathered (SGLang's own
+    routed-experts capturer sizes its device buffer the same way)."""
+    args = getattr(model_runner, "server_args", None)
+    chunk = int(getattr(args, "chunked_prefill_size", 0) or 0)
+    if chunk <= 0:  # chunked prefill off: one prefill takes up to max_prefill_tokens
+        chunk = int(getattr(args, "max_prefill_tokens", 0) or 16384)
+    running = int(getattr(model_runner, "max_running_requests", 0) or 0)
+    dp = 1
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        dp = max(1, int(getattr(get_parallel(), "num_dp_ranks", 1) or 1))
+    except Exception:
+        pass
+    return max(chunk, running, 1) * dp
+
+
+def num_expert_ids(model_runner, num_experts: int) -> int:
+    """Range of the ids ``select_experts`` returns: logical experts plus redundant
+    physical slots under EPLB."""
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        return num_experts + int(get_exec().moe.ep_num_redundant_experts or 0)
+    except Exception:
+        return num_experts
+
+
+def two_batch_overlap(model_runner) -> bool:
+    return bool(getattr(getattr(model_runner, "server_args", None), "enable_two_batch_overlap", False))
+
+
 def initialise(state: CaptureState, model_runner) -> None:
-    """Tensors, table, publisher and trace writer, sized from the loaded model."""
+    """Tensors, table, staging, publisher and trace writer, sized from the loaded
+    model. Called once, before SGLang captures its graphs; draft workers (a
+    speculative decoding's draft model) are never passed here."""
     num_layers, num_experts, top_k = model_dims(model_runner)
     try:
         check_model_dims(state.config, num_layers, num_experts, top_k)
@@ -133,8 +178,23 @@ def initialise(state: CaptureState, model_runner) -> None:
         state.publish_columns = torch.tensor([layers.index(l) for l in state.publish_layers], device=device)
         logger.info("eldr-sglang: capturing layers %s: %d B per KV slot (%d slots)",
                     layers, state.table.bytes_per_token, num_slots)
-    state.decode.unique_total = torch.zeros((), dtype=torch.int64, device=device)
-    state.decode.active = torch.zeros((num_layers, num_experts), dtype=torch.bool, device=device)
+    # decode statistics are served by TP rank 0 (the metrics endpoint) and traced by leaders
+    decode_stats = bool(state.config.metrics_port and tp_rank() == 0) or bool(state.config.trace_dir and leader)
+    staged = list(range(num_layers)) if decode_stats else (layers if state.table is not None else [])
+    if staged:
+        state.stage = ExpertStage(staging_rows(model_runner), staged, num_expert_ids(model_runner, num_experts),
+                                  top_k, device=device)
+        if state.table is not None and state.table.layers != staged:
+            state.table_columns = torch.tensor([staged.index(l) for l in state.table.layers], device=device)
+        logger.info("eldr-sglang: staging %d rows x %d layers (%d B) before the CUDA graphs are captured",
+                    state.stage.rows, len(staged), state.stage.nbytes)
+    if two_batch_overlap(model_runner):
+        state.cursor = {}  # the graphs are off (graph_safe_argv): micro-batches stage one after another
+    if decode_stats:
+        d = state.decode
+        d.unique_total = torch.zeros((), dtype=torch.int64, device=device)
+        d.hits = torch.zeros((num_layers, num_experts + 1), dtype=torch.bool, device=device)
+        d.active = d.hits[:, :num_experts]
     if not leader:  # TP/EP followers: their leader publishes and writes traces
         state.ready = True
         return

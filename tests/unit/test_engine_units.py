@@ -176,29 +176,42 @@ def test_publish_without_an_artifact_sends_spread_layers_and_the_model():
     assert "model" not in signature_message(req, torch.zeros((4, 128)), [9, 19, 28, 38])
 
 
-def _decode_batch(slots, n):
+def _decode_batch(slots):
     from types import SimpleNamespace
 
     mode = SimpleNamespace(is_extend=lambda: False, is_decode=lambda: True)
-    return SimpleNamespace(forward_mode=mode, batch_size=n, out_cache_loc=torch.tensor(slots),
-                           req_pool_indices=torch.arange(len(slots)))
+    return SimpleNamespace(forward_mode=mode, batch_size=len(slots), out_cache_loc=torch.tensor(slots),
+                           req_pool_indices=torch.arange(len(slots)), global_num_tokens_cpu=None)
 
 
 def test_decode_steps_write_their_tokens_into_the_slot_table(monkeypatch):
+    """Staged inside the forward (the graph's padded rows too), scattered after it
+    to the live batch's slots only."""
     from types import SimpleNamespace
 
-    from eldr_sglang.patches import capture, state as engine
+    from eldr_sglang.patches import after_forward, capture, state as engine
+    from eldr_sglang.radix_signature.staging import ExpertStage
 
     state = engine.CaptureState(EngineConfig(layers=(0, 1)), table=ExpertSlotTable(16, [0, 1], 8, 2),
-                                 ready=True)
-    state.decode.active = torch.zeros((2, 8), dtype=torch.bool)
+                                stage=ExpertStage(8, [0, 1], 8, 2), ready=True)
+    state.decode.unique_total = torch.zeros((), dtype=torch.int64)
+    state.decode.hits = torch.zeros((2, 9), dtype=torch.bool)
+    state.decode.active = state.decode.hits[:, :8]
     monkeypatch.setattr(engine, "STATE", state)
-    state.forward_batch = _decode_batch([5, 9, 0], n=2)  # the third row is graph padding
-    capture.select_experts_after(SimpleNamespace(topk_ids=torch.tensor([[1, 2], [3, 4], [7, 6]])), layer_id=1)
+    monkeypatch.setattr(after_forward, "dp_rank", lambda: 0)
+
+    def forward(runner, fb):  # three rows: the third is graph padding
+        for layer in (0, 1):
+            capture.select_experts_after(SimpleNamespace(topk_ids=torch.tensor([[1, 2], [3, 4], [7, 6]])),
+                                         layer_id=layer)
+        return SimpleNamespace(can_run_graph=True)
+
+    capture.forward_around(forward, SimpleNamespace(is_draft_worker=False), _decode_batch([5, 9]))
     ids = state.table.ids
     assert ids[5, 1].tolist() == [1, 2] and ids[9, 1].tolist() == [3, 4]
     assert ids[0].sum() == 0  # padding not written
     assert state.decode.active[1].nonzero().flatten().tolist() == [1, 2, 3, 4]
+    assert int(state.decode.unique_total) == 8 and state.decode.steps == 1
 
 
 def test_physical_expert_slots_map_to_logical_experts(monkeypatch):
@@ -206,30 +219,30 @@ def test_physical_expert_slots_map_to_logical_experts(monkeypatch):
 
     import sglang.srt.eplb.expert_location as el
 
-    from eldr_sglang.patches.capture import logical_ids
+    from eldr_sglang.patches.after_forward import physical_to_logical
 
     p2l = torch.tensor([[0, 1, 2, 3, 0, 2], [0, 1, 2, 3, 1, 3]])  # 4 experts, 2 redundant slots
     monkeypatch.setattr(el, "get_global_expert_location_metadata",
                         lambda: SimpleNamespace(physical_to_logical_map=p2l))
-    phys = torch.tensor([[4, 5], [1, -1]], dtype=torch.int32)
-    dispatch = {"expert_location_dispatch_info": object()}
-    assert logical_ids(phys, 0, dispatch).tolist() == [[0, 2], [1, -1]]
-    assert logical_ids(phys, 1, dispatch).tolist() == [[1, 3], [1, -1]]
-    assert logical_ids(phys, 0, {}) is phys  # no dispatch: ids are logical already
+    phys = torch.tensor([[[4, 5], [4, 5]], [[1, -1], [1, -1]]])  # [tokens, layers 0 and 1, k]
+    assert physical_to_logical(phys, [0, 1], 6).tolist() == [[[0, 2], [1, 3]], [[1, -1], [1, -1]]]
+    assert physical_to_logical(phys[:, 1:], [1], 6).tolist() == [[[1, 3]], [[1, -1]]]
 
 
-def test_cuda_graphs_the_capture_cannot_see_are_turned_off_on_gpus():
+def test_cuda_graphs_stay_on_unless_the_capture_cannot_run_in_them(caplog):
+    import logging
+
     from eldr_sglang.patches.flags import graph_safe_argv
 
     prefill = parse_eldr_flags(["--eldr-layers", "1", "--eldr-publish", "request"])
     decode = parse_eldr_flags(["--eldr-metrics-port", "9000"])
     base = ["--model-path", "m"]
-    assert graph_safe_argv(prefill, base, gpu=True) == base + ["--disable-prefill-cuda-graph"]
-    assert graph_safe_argv(decode, base, gpu=True) == base + ["--disable-decode-cuda-graph"]
+    with caplog.at_level(logging.INFO, logger="eldr_sglang"):
+        assert graph_safe_argv(prefill, base, gpu=True) == base  # signatures: graph-safe
+        assert graph_safe_argv(decode, base, gpu=True) == base  # decode statistics: graph-safe
+    assert "stay on" in caplog.text
     assert graph_safe_argv(prefill, base, gpu=False) == base
     assert graph_safe_argv(EngineConfig(), base, gpu=True) == base  # no ELDR capture: stock SGLang
-    kept = base + ["--cuda-graph-backend-prefill", "full"]
-    assert graph_safe_argv(prefill, kept, gpu=True) == kept  # the operator's explicit choice
     assert graph_safe_argv(prefill, base + ["--device", "cpu"]) == base + ["--device", "cpu"]
 
 

@@ -1,0 +1,122 @@
+"""What the capture does after each forward, eagerly, from the live batch.
+
+Inside the forward (graphed or not) the ``select_experts`` hook only copies top-k
+ids into the static staging buffer (:mod:`eldr_sglang.radix_signature.staging`).
+Everything that needs the live batch runs here, AROUND ``ModelRunner.forward``
+after the original returned (where SGLang's own routed-experts capturer reads its
+buffer): which staged rows are this rank's tokens (:mod:`.dp_rows`), the KV slots
+they go to, physical -> logical ids under EPLB, decode statistics and trace-mode
+per-request decode counts. Nothing here waits for the device.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from eldr_sglang.patches.dp_rows import RowBlock, dp_rank, live_slots, local_block, rank_blocks
+from eldr_sglang.patches.state import CaptureState
+
+logger = logging.getLogger("eldr_sglang.capture")
+
+
+def graph_batch(model_runner, forward_batch, output) -> int | None:
+    """The decode graph's padded batch size when this forward replayed it."""
+    if not (forward_batch.forward_mode.is_decode() and getattr(output, "can_run_graph", False)):
+        return None
+    bs = getattr(getattr(model_runner, "decode_cuda_graph_runner", None), "bs", None)
+    return int(bs) if bs else None
+
+
+def staged_rows(state: CaptureState, block: RowBlock) -> torch.Tensor:
+    """The staged ids of one block's live rows ``[n, layers, k]`` as logical ids
+    (int64); rows beyond the staging capacity are left out, logged once."""
+    stage = state.stage
+    end = min(block.start + block.live, stage.rows)
+    if end < block.start + block.live and not state.capacity_logged:
+        state.capacity_logged = True
+        logger.warning("eldr-sglang: a forward had %d MoE rows, more than the %d staged; the rows beyond "
+                       "are not captured (their signatures undercount)", block.start + block.live, stage.rows)
+    ids = stage.buf[block.start:max(block.start, end)].long()
+    if state.physical_ids:
+        ids = physical_to_logical(ids, stage.layers, stage.num_ids)
+    return ids
+
+
+def physical_to_logical(ids: torch.Tensor, layers: list[int], num_ids: int) -> torch.Tensor:
+    """Map physical expert slots ``[n, layers, k]`` back to logical experts with the
+    live expert-location metadata (a rebalance replaces it); invalid ids stay."""
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+    meta = get_global_expert_location_metadata()
+    if meta is None or ids.numel() == 0:
+        return ids
+    p2l = meta.physical_to_logical_map.to(ids.device)[torch.tensor(layers, device=ids.device)].long()  # [L, P]
+    n, n_layers, k = ids.shape
+    flat = ids.permute(1, 0, 2).reshape(n_layers, n * k)
+    valid = (flat >= 0) & (flat < min(num_ids, p2l.shape[1]))
+    mapped = p2l.gather(1, flat.clamp(min=0, max=p2l.shape[1] - 1))
+    return torch.where(valid, mapped, flat).reshape(n_layers, n, k).permute(1, 0, 2)
+
+
+def write_table(state: CaptureState, slots: torch.Tensor, ids: torch.Tensor) -> None:
+    """``table[slots] = ids`` (the table's layers of the staged ones)."""
+    table = state.table
+    if ids.shape[0] == 0:
+        return
+    if state.table_columns is not None:
+        ids = ids.index_select(1, state.table_columns)
+    table.ids[slots[: ids.shape[0]].long()] = ids[:, :, : table.top_k].to(table.ids.dtype)
+
+
+def add_decode_step(state: CaptureState, ids: torch.Tensor) -> None:
+    """Distinct experts per layer of one decode step over ``ids`` ``[n, L, k]``
+    (every layer staged): into ``decode.active`` and the running total."""
+    d = state.decode
+    num_experts = d.hits.shape[1] - 1
+    d.hits.zero_()
+    if ids.shape[0]:
+        n, n_layers, k = ids.shape
+        cols = ids.permute(1, 0, 2).reshape(n_layers, n * k)
+        cols = torch.where((cols >= 0) & (cols < num_experts), cols, num_experts)
+        d.hits.scatter_(1, cols, True)  # invalid ids land in the last column, never counted
+    d.unique_total += d.active.sum()
+
+
+def add_decode_counts(state: CaptureState, forward_batch, ids: torch.Tensor) -> None:
+    """Trace mode: each request's decode expert counts ``decode_acc[row, layer, expert]``."""
+    n, n_layers, k = ids.shape
+    if n == 0:
+        return
+    num_experts = state.decode_acc.shape[2]
+    rows = forward_batch.req_pool_indices[:n].long().view(n, 1, 1).expand(n, n_layers, k)
+    layer = torch.arange(n_layers, device=ids.device).view(1, n_layers, 1).expand(n, n_layers, k)
+    valid = (ids >= 0) & (ids < num_experts)
+    state.decode_acc.index_put_((rows.flatten(), layer.flatten(), torch.where(valid, ids, 0).flatten()),
+                                valid.to(torch.int32).flatten(), accumulate=True)
+
+
+def after_forward(state: CaptureState, model_runner, forward_batch, output) -> None:
+    """Scatter this forward's staged ids by the live KV slots; decode statistics."""
+    if not state.ready or state.stage is None:
+        return
+    mode = forward_batch.forward_mode
+    decode = mode.is_decode()
+    if not (decode or mode.is_extend()):
+        return  # idle and dummy forwards: no tokens of this rank
+    slots = live_slots(forward_batch)
+    blocks = rank_blocks(forward_batch, graph_batch(model_runner, forward_batch, output))
+    mine = local_block(blocks, dp_rank(), int(slots.shape[0]))
+    if state.table is not None or state.decode_acc is not None:
+        ids = staged_rows(state, mine)
+        if state.table is not None:
+            write_table(state, slots, ids)
+        if decode and state.decode_acc is not None:
+            add_decode_counts(state, forward_batch, ids)
+    if decode and state.decode.hits is not None:
+        every = [staged_rows(state, b) for b in blocks]  # the MoE layers ran on every rank's tokens
+        ids = every[0] if len(every) == 1 else torch.cat(every)
+        add_decode_step(state, ids)
+        state.decode.steps += 1
+        state.decode.tokens += int(ids.shape[0])
