@@ -51,6 +51,12 @@ class RouterConfig:
                      choices=("pd", "colocated"))
     tokenizer: Optional[str] = _opt("model folder whose tokenizer turns prompts into token ids for "
                                     "predicted signatures (default: the one the artifact names)")
+    binding: str = _opt("PD: late (decode chosen with the prefill's signature), early (chosen at arrival "
+                        "from the predicted signature; prefill and decode sent together), auto (early when "
+                        "the prediction's best region leads the second by --binding-margin)", "late",
+                        choices=("late", "early", "auto"))
+    binding_margin: float = _opt("--binding auto: least similarity margin between the best two predicted "
+                                 "regions for early binding", 0.02)
     # A/B and shadow (eldr_sglang.router.ab)
     ab_policies: Optional[str] = _opt(
         "time-sliced A/B: comma-separated policies the router alternates, one per slice "

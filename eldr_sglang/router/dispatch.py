@@ -46,6 +46,7 @@ from eldr_sglang.router.responses import (JSON, error_in_body, error_response,
                                           worker_error_response)
 from eldr_sglang.router.signatures import activation, combine, union
 from eldr_sglang.router.workers import Worker
+from eldr_sglang.router.early import early_route
 
 if TYPE_CHECKING:
     from eldr_sglang.router.app import Router
@@ -212,7 +213,10 @@ class Dispatcher:
         d: Optional[Worker] = None
         try:
             route, waited = RouteRequest(label=label), 0.0
-            if needs_signature:
+            early = early_route(r, body, endpoint, label) if needs_signature else None  # --binding
+            if early is not None:
+                route = early
+            elif needs_signature:
                 route, failed, waited = await self._await_signature(waiters, prefill_task, label)
                 if failed is not None:
                     return self._prefill_error(failed)

@@ -187,3 +187,47 @@ def test_cli_mode_colocated():
 async def _get(http, url):
     async with http.get(url) as r:
         return r.status, (await r.read()).decode()
+
+
+# -- PD router, --binding early|auto ---------------------------------------------------------------------
+def _pd(binding, **kw):
+    from tests.integration.helpers import cluster
+
+    # the prefill never publishes a signature: late binding could only fall back
+    return cluster(n_decode=TOPICS, policy="eldr", artifact=make_artifact(), binding=binding,
+                   prefill_kw={"send_signature": False}, signature_timeout=0.3, signature_timeout_min=0.3,
+                   health_interval=0, load_interval=0, **kw)
+
+
+def test_pd_early_binding_chooses_decode_from_predicted_signature():
+    async def go():
+        async with _pd("early") as (router, url, prefill, decodes, http):
+            for k in (3, 1):
+                status, raw = await post(http, f"{url}/generate", {"input_ids": topic_ids(k, seed=4)})
+                assert status == 200, raw
+                assert orjson.loads(raw)["meta_info"]["server"] == f"d{k}"
+            assert router.metrics.value("route_path", mode="early", path="early") == 2
+            assert router.metrics.value("fallbacks") == 0  # no signature was waited for
+    run(go())
+
+
+def test_pd_auto_binding_binds_late_when_unsure():
+    async def go():
+        async with _pd("auto", binding_margin=0.05) as (router, url, prefill, decodes, http):
+            sure = topic_ids(2)
+            torn = topic_ids(0, n=15) + topic_ids(1, n=15)  # two regions alike: margin ~ 0
+            assert (await post(http, f"{url}/generate", {"input_ids": sure}))[0] == 200
+            assert (await post(http, f"{url}/generate", {"input_ids": torn}))[0] == 200
+            assert router.metrics.value("route_path", mode="early", path="early") == 1
+            assert router.metrics.value("route_path", mode="early", path="late") == 1
+            assert router.metrics.value("fallbacks", reason="timeout") == 1  # the late one waited
+    run(go())
+
+
+def test_pd_late_binding_is_unchanged():
+    async def go():
+        async with _pd("late") as (router, url, prefill, decodes, http):
+            assert (await post(http, f"{url}/generate", {"input_ids": topic_ids(2)}))[0] == 200
+            assert router.metrics.value("route_path", mode="early", path="early") == 0
+            assert router.metrics.value("fallbacks", reason="timeout") == 1
+    run(go())

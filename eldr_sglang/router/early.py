@@ -1,0 +1,82 @@
+"""Early binding in the PD router (``--binding early|auto``): choose the decode server at
+arrival from the PREDICTED signature, so prefill and decode are sent together (as
+sglang-router does) instead of after the prefill's signature message.
+
+* ``late`` (default): unchanged, the dispatch waits for the signature;
+* ``early``: every request with a predictable prompt binds at arrival;
+* ``auto``: early when the predicted signature's best region leads the second by at
+  least ``binding_margin`` (cosine), late otherwise.
+
+A request falls back to late binding when the live artifact has no predictor or the
+prompt has no token ids (e.g. ``input_embeds``). Each request's path is counted in
+``eldr_router_route_path_total{mode="early", path="early"|"late"}``. The dispatch
+calls :func:`early_route` once per request; everything else is this module's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from eldr_sglang.core.policies import RouteRequest
+from eldr_sglang.prompts import default_tokenizer_path, load_tokenizer
+from eldr_sglang.router.scoring import PredictedRouting, path_counter
+
+
+class EarlyBinding:
+    """Per router: the predicted routing of its live artifact and the path counter."""
+
+    def __init__(self, router: Any) -> None:
+        c = router.config
+        self.router, self.mode, self.margin = router, c.binding, float(c.binding_margin)
+        self.counter = path_counter(router.metrics.registry)
+        self._tok_path = c.tokenizer
+        self._tokenizer: Any = None
+        self._for: Any = None  # the artifact the cached PredictedRouting belongs to
+        self._predicted: Optional[PredictedRouting] = None
+
+    def _routing(self) -> Optional[PredictedRouting]:
+        enc = self.router.routing.encoder
+        art = getattr(enc, "artifact", None)
+        if art is None or getattr(art, "predictor", None) is None:
+            return None
+        if art is not self._for:  # a reload swapped the artifact
+            if self._tokenizer is None:
+                path = self._tok_path or default_tokenizer_path(art)
+                self._tokenizer = load_tokenizer(path) if path else False
+            self._predicted = PredictedRouting(art, self._tokenizer or None)
+            self._for = art
+        return self._predicted
+
+    def route(self, body: dict, endpoint: str, label: Optional[str]) -> Optional[RouteRequest]:
+        """The predicted route to bind at arrival, or None (bind late)."""
+        if self.mode == "late":
+            return None
+        pr = self._routing()
+        route = None
+        if pr is not None:
+            try:
+                items = pr.token_ids(body, endpoint)
+            except ValueError:
+                items = []
+            if items:
+                route, _ = pr.route(items, label)
+                if self.mode == "auto" and not self._confident(route.signature):
+                    route = None
+        self.counter.labels("early", "late" if route is None else "early").inc()
+        return route
+
+    def _confident(self, signature: np.ndarray) -> bool:
+        sims = np.sort(self.router.routing.encoder.centroids @ signature)
+        return sims.size < 2 or float(sims[-1] - sims[-2]) >= self.margin
+
+
+def early_route(router: Any, body: dict, endpoint: str, label: Optional[str]) -> Optional[RouteRequest]:
+    """What the dispatch asks before waiting for a signature: a route now, or None."""
+    eb = getattr(router, "_early_binding", None)
+    if eb is None:
+        if getattr(router.config, "binding", "late") == "late":
+            return None
+        eb = router._early_binding = EarlyBinding(router)
+    return eb.route(body, endpoint, label)
