@@ -42,11 +42,12 @@ from eldr_sglang.core.policies import Decision, RouteRequest, least_loaded
 from eldr_sglang.patches.publish import RETURN_ADDRESS_KEY
 from eldr_sglang.router import upstream
 from eldr_sglang.router.bodies import BadRequest, BodyError, batch_size, read_body, validate_openai
+from eldr_sglang.router.clients import REQUEST_ID_KEY
 from eldr_sglang.router.responses import (JSON, error_in_body, error_response,
                                           worker_error_response)
 from eldr_sglang.router.signatures import activation, combine, union
-from eldr_sglang.router.workers import Worker
 from eldr_sglang.router.early import early_route
+from eldr_sglang.router.workers import Worker
 
 if TYPE_CHECKING:
     from eldr_sglang.router.app import Router
@@ -70,13 +71,20 @@ class PrefillResult:
 
 
 class _Flight:
-    """One client request on its way: body, chosen prefill, the bytes sent upstream."""
+    """One client request on its way: body, chosen prefill, the bytes sent upstream, the
+    headers that go with them and the workers that got the request (the only ones an
+    abort goes to)."""
 
-    __slots__ = ("body", "n", "prefill", "payload", "decode_sent")
+    __slots__ = ("body", "n", "prefill", "payload", "decode_sent", "headers", "sent")
 
-    def __init__(self, body: dict, n: Optional[int]) -> None:
+    def __init__(self, body: dict, n: Optional[int], headers: tuple = ()) -> None:
         self.body, self.n = body, n
         self.decode_sent = False
+        self.headers = headers
+        self.sent: set[int] = set()  # ids of the workers the request was written to
+
+    def on_sent(self, w: Worker):
+        return lambda: self.sent.add(id(w))
 
     def set_prefill(self, p: Worker) -> None:
         n, body = self.n, self.body
@@ -205,7 +213,8 @@ class Dispatcher:
 
         rooms = [random.getrandbits(63) for _ in range(n or 1)]
         body["bootstrap_room"] = rooms if n else rooms[0]
-        fl = _Flight(body, n)
+        rid_header = request.get(REQUEST_ID_KEY)
+        fl = _Flight(body, n, (rid_header,) if rid_header else ())
         fl.set_prefill(r.pool.pick_prefill())
 
         waiters = [r.board.expect(room) for room in rooms] if needs_signature or r.shadow else []
@@ -234,9 +243,9 @@ class Dispatcher:
                     fl.decode_sent = True  # from here on the prefill is never re-sent
                     if not tried:
                         self._added.observe(time.perf_counter() - t0 - waited)
-                    out = await self._open_decode(d, endpoint, fl.payload, prefill_task)
+                    out = await self._open_decode(d, endpoint, fl, prefill_task)
                     if isinstance(out, PrefillResult):  # prefill failed first: abort the decode
-                        r.spawn(self.abort(rids, [d]))
+                        self._abort(fl, rids, [d])
                         return self._prefill_error(out)
                     if isinstance(out, upstream.ConnectError) and len(tried) + 1 < len(r.pool.decodes):
                         r.pool.failure(d, ticket, repr(out), "connect", hard=True)
@@ -256,11 +265,11 @@ class Dispatcher:
         except asyncio.CancelledError:  # client went away
             r.metrics.event("client_disconnects")
             prefill_task.cancel()
-            r.spawn(self.abort(rids, [fl.prefill] + ([d] if d is not None else [])))
+            self._abort(fl, rids, [fl.prefill] + ([d] if d is not None else []))
             raise
         except Exception:  # a router bug: nothing may stay held on the workers
             prefill_task.cancel()
-            r.spawn(self.abort(rids, [fl.prefill] + ([d] if d is not None else [])))
+            self._abort(fl, rids, [fl.prefill] + ([d] if d is not None else []))
             raise
         finally:
             for room in rooms:
@@ -428,7 +437,8 @@ class Dispatcher:
             s = fl.prefill
             ticket = pool.enter(s)
             try:
-                resp = await self.r.upstream.post(s.endpoint(endpoint), fl.payload)
+                resp = await self.r.upstream.post(s.endpoint(endpoint), fl.payload,
+                                                  headers=fl.headers, on_sent=fl.on_sent(s))
                 try:
                     body = await resp.read()
                 finally:
@@ -444,7 +454,8 @@ class Dispatcher:
                 return PrefillResult(resp.status, body, error or "", url=s.url)
             except upstream.LocalResourceError as e:
                 m.errors.labels("local_resources").inc()
-                return PrefillResult(0, b"", f"router out of resources: {e}", s.url, local=True)
+                logger.warning("prefill %s: %s", s.url, e)
+                return PrefillResult(0, b"", f"router out of resources: {e.public}", s.url, local=True)
             except upstream.ConnectError as e:
                 pool.failure(s, ticket, repr(e), "connect", hard=True)
                 tried.add(id(s))
@@ -453,35 +464,37 @@ class Dispatcher:
                     m.retries.labels("prefill").inc()
                     fl.set_prefill(alt)
                     continue
-                return PrefillResult(0, b"", f"prefill server {s.url} unreachable: {e}", s.url)
+                return PrefillResult(0, b"", f"prefill server unreachable: {e.public}", s.url)
             except upstream.UpstreamError as e:  # Timeout, Disconnected
                 kind = "timeout" if isinstance(e, upstream.Timeout) else "disconnect"
                 pool.failure(s, ticket, repr(e), kind, hard=True)
-                self.r.spawn(self.abort(_rids_of(fl.body), [s]))
-                return PrefillResult(0, b"", f"prefill server {s.url} failed: {e}", s.url)
+                self._abort(fl, _rids_of(fl.body), [s])
+                return PrefillResult(0, b"", f"prefill server failed: {e.public}", s.url)
             finally:
                 pool.leave(s, ticket)
 
     def _prefill_error(self, res: PrefillResult) -> web.Response:
         self.r.metrics.event("prefill_errors_returned")
         if res.status == 0:
-            return error_response(503 if res.local or "unreachable" in res.error else 502,
-                                  res.error, self.r.config.retry_after if res.local else None)
+            unavailable = res.local or "unreachable" in res.error
+            return error_response(503 if unavailable else 502, res.error,
+                                  self.r.config.retry_after if unavailable else None)
         if res.status == 200:  # an error inside a 200 stream
-            return error_response(502, f"prefill server {res.url} failed: {res.error}")
-        return worker_error_response(res.status, res.body, res.url)
+            return error_response(502, f"prefill server failed: {res.error}")
+        return worker_error_response(res.status, res.body, "prefill")
 
     async def _prefill_outcome(self, prefill_task: asyncio.Task) -> PrefillResult:
         """The prefill's result (it ends on its own: worker timeouts bound it)."""
         return await asyncio.shield(prefill_task)
 
     # ------------------------------------------------------------ decode
-    async def _open_decode(self, d: Worker, endpoint: str, payload: bytes,
+    async def _open_decode(self, d: Worker, endpoint: str, fl: _Flight,
                            prefill_task: asyncio.Task):
         """POST to decode; its response, a failed PrefillResult, or an UpstreamError."""
         if prefill_task.done() and not prefill_task.result().ok:
             return prefill_task.result()  # already failed: never send the decode
-        post = asyncio.ensure_future(self.r.upstream.post(d.endpoint(endpoint), payload))
+        post = asyncio.ensure_future(self.r.upstream.post(
+            d.endpoint(endpoint), fl.payload, headers=fl.headers, on_sent=fl.on_sent(d)))
         watch = {post} if prefill_task.done() else {post, prefill_task}
         try:
             while True:
@@ -503,16 +516,18 @@ class Dispatcher:
     def _decode_failed(self, d: Worker, ticket, e: upstream.UpstreamError, rids: list[str],
                        fl: _Flight) -> web.Response:
         r = self.r
-        r.spawn(self.abort(rids, [fl.prefill] + ([] if isinstance(e, upstream.ConnectError) else [d])))
+        self._abort(fl, rids, [fl.prefill] + ([] if isinstance(e, upstream.ConnectError) else [d]))
         if isinstance(e, upstream.LocalResourceError):
-            r.metrics.errors.labels("local_resources").inc()
-            return error_response(503, f"router out of resources: {e}", r.config.retry_after)
+            r.metrics.errors.labels("saturated" if isinstance(e, upstream.Saturated)
+                                    else "local_resources").inc()
+            logger.warning("decode %s: %s", d.url, e)
+            return error_response(503, f"router out of resources: {e.public}", r.config.retry_after)
         if isinstance(e, upstream.ConnectError):
             r.pool.failure(d, ticket, repr(e), "connect", hard=True)
-            return error_response(503, f"decode server {d.url} unavailable: {e}")
+            return error_response(503, f"decode server unavailable: {e.public}", r.config.retry_after)
         timeout = isinstance(e, upstream.Timeout)
         r.pool.failure(d, ticket, repr(e), "timeout" if timeout else "disconnect", hard=True)
-        return error_response(504 if timeout else 502, f"decode server {d.url} failed: {e}")
+        return error_response(504 if timeout else 502, f"decode server failed: {e.public}")
 
     async def _relay(self, request: web.Request, resp: upstream.UpstreamResponse, d: Worker,
                      ticket, stream: bool, rids: list[str], fl: _Flight,
@@ -526,21 +541,21 @@ class Dispatcher:
             try:
                 data = await resp.read()
             except upstream.UpstreamError as e:
-                data = repr(e).encode()
+                data = e.public.encode()
             if resp.status >= 500:
                 pool.failure(d, ticket, f"HTTP {resp.status}: {data[:200]!r}", "http_5xx")
             else:
                 pool.success(d, ticket)
                 r.metrics.worker_errors.labels(d.role, d.url, "http_4xx").inc()
-            r.spawn(self.abort(rids, [fl.prefill]))
-            return worker_error_response(resp.status, data, d.url)
+            self._abort(fl, rids, [fl.prefill])
+            return worker_error_response(resp.status, data, "decode")
         if not stream:
             read = asyncio.ensure_future(resp.read())
             try:
                 if not prefill_task.done():  # a prefill failing meanwhile stops the decode
                     await asyncio.wait({read, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
                 if prefill_task.done() and not read.done() and not prefill_task.result().ok:
-                    r.spawn(self.abort(rids, [d]))
+                    self._abort(fl, rids, [d])
                     return self._prefill_error(prefill_task.result())
                 data = await read
             except upstream.UpstreamError as e:
@@ -554,10 +569,12 @@ class Dispatcher:
             return web.Response(body=data, status=200, content_type=JSON)
         res = await self._prefill_outcome(prefill_task)  # before the first byte goes out
         if not res.ok:
-            r.spawn(self.abort(rids, [d]))
+            self._abort(fl, rids, [d])
             return self._prefill_error(res)
-        out = web.StreamResponse(status=200, headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        if fl.headers:
+            headers.update(fl.headers)  # the request id, echoed
+        out = web.StreamResponse(status=200, headers=headers)
         await out.prepare(request)
         try:
             async for chunk in resp.iter_chunks():
@@ -566,13 +583,13 @@ class Dispatcher:
             pool.success(d, ticket)
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             r.metrics.event("client_disconnects")
-            r.spawn(self.abort(rids, [fl.prefill, d]))
+            self._abort(fl, rids, [fl.prefill, d])
         except upstream.UpstreamError as e:
             timeout = isinstance(e, upstream.Timeout)
             pool.failure(d, ticket, f"stream broken: {e!r}", "timeout" if timeout else "stream",
                          hard=timeout)
-            r.spawn(self.abort(rids, [d]))
-            err = {"error": {"message": f"decode server {d.url} failed mid-stream: {e}",
+            self._abort(fl, rids, [d])
+            err = {"error": {"message": f"decode server failed mid-stream: {e.public}",
                              "type": "upstream_error", "code": 504 if timeout else 502}}
             try:
                 await out.write(b"data: " + orjson.dumps(err) + b"\n\n")
@@ -582,6 +599,12 @@ class Dispatcher:
         return out
 
     # ------------------------------------------------------------ aborts
+    def _abort(self, fl: _Flight, rids: list[str], servers: list[Worker]) -> None:
+        """Abort ``rids`` on those of ``servers`` the request was written to."""
+        sent = [s for s in servers if id(s) in fl.sent]
+        if sent:
+            self.r.spawn(self.abort(rids, sent))
+
     async def abort(self, rids: list[str], servers: list[Worker]) -> None:
         """Best-effort ``/abort_request`` for every rid on every server."""
         r = self.r

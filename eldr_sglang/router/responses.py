@@ -20,12 +20,13 @@ def error_response(status: int, message: str, retry_after: Optional[float] = Non
     return json_response({"error": message}, status, headers)
 
 
-def worker_error_response(status: int, body: bytes, url: str) -> web.Response:
+def worker_error_response(status: int, body: bytes, role: str) -> web.Response:
     """A worker's error answer with its status code, always carrying an ``error`` key.
 
     SGLang answers an aborted request with FastAPI's ``{"detail": ...}`` and its
     OpenAI routes with ``{"object": "error", "message": ...}``; clients of the router
-    get those fields unchanged plus ``error`` naming the worker."""
+    get those fields unchanged plus ``error`` naming the worker's role (never its
+    address)."""
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -34,9 +35,9 @@ def worker_error_response(status: int, body: bytes, url: str) -> web.Response:
         return json_response(obj, status)
     if isinstance(obj, dict):
         message = obj.get("message") or obj.get("detail") or f"HTTP {status}"
-        return json_response({**obj, "error": f"worker {url}: {message}"}, status)
+        return json_response({**obj, "error": f"{role} server: {message}"}, status)
     text = body.decode("utf-8", "replace")[:2000].strip() or f"HTTP {status}"
-    return error_response(status, f"worker {url}: {text}")
+    return error_response(status, f"{role} server: {text}")
 
 
 def error_in_body(body: bytes) -> Optional[str]:
