@@ -2,31 +2,60 @@
 
 ``eldr_decode_unique_experts_total / eldr_decode_steps_total`` is the mean
 number of distinct experts a decode step activated (summed over MoE layers):
-the hardware-independent cost figure that ELDR routing lowers.
+the hardware-independent cost figure that ELDR routing lowers. Running totals
+are exported as counters (``rate()`` and ``increase()`` handle their resets),
+read from the plugin's state at each scrape by :class:`EngineCollector`.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from typing import TYPE_CHECKING, Callable, Iterator
 
-from eldr_sglang.patches.state import CaptureState
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:  # the state module loads torch
+    from eldr_sglang.patches.state import CaptureState
 
 
-def serve_metrics(state: CaptureState, port: int) -> None:
-    registry = CollectorRegistry()
-
-    def gauge(name: str, doc: str, fn) -> None:
-        Gauge(name, doc, registry=registry).set_function(fn)
-
+def _unique_total(state: "CaptureState") -> float:
     d = state.decode
-    gauge("eldr_decode_steps_total", "Decode forward steps run", lambda: d.steps)
-    gauge("eldr_decode_tokens_total", "Requests summed over decode steps (batch sizes)", lambda: d.tokens)
-    gauge("eldr_decode_unique_experts_total", "Distinct experts per decode step, summed over layers and steps",
-          lambda: float(d.unique_total.item()) if d.unique_total is not None else 0.0)
-    gauge("eldr_decode_unique_experts_per_step", "Mean distinct experts per decode step (all MoE layers)",
-          d.mean_unique_per_step)
-    pub = lambda attr: (lambda: getattr(state.publisher, attr, 0) if state.publisher else 0)  # noqa: E731
-    gauge("eldr_signatures_sent_total", "Signature messages delivered to the router", pub("sent"))
-    gauge("eldr_signatures_dropped_total", "Signature messages dropped (router unreachable or queue full)",
-          pub("dropped"))
+    return float(d.unique_total.item()) if d.unique_total is not None else 0.0
+
+
+def _published(attr: str) -> Callable[["CaptureState"], float]:
+    return lambda state: float(getattr(state.publisher, attr, 0) if state.publisher else 0)
+
+
+# (name without _total, type, help, value of the state)
+ENGINE_METRICS: tuple[tuple[str, str, str, Callable[["CaptureState"], float]], ...] = (
+    ("eldr_decode_steps", "counter", "Decode forward steps run", lambda s: float(s.decode.steps)),
+    ("eldr_decode_tokens", "counter", "Requests summed over decode steps (batch sizes)",
+     lambda s: float(s.decode.tokens)),
+    ("eldr_decode_unique_experts", "counter",
+     "Distinct experts per decode step, summed over layers and steps", _unique_total),
+    ("eldr_decode_unique_experts_per_step", "gauge", "Mean distinct experts per decode step (all MoE layers)",
+     lambda s: float(s.decode.mean_unique_per_step())),
+    ("eldr_signatures_sent", "counter", "Signature messages delivered to the router", _published("sent")),
+    ("eldr_signatures_dropped", "counter", "Signature messages dropped (router unreachable or queue full)",
+     _published("dropped")),
+)
+
+
+class EngineCollector(Collector):
+    """The plugin's counters and gauges, read from ``state`` when scraped."""
+
+    def __init__(self, state: "CaptureState") -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        for name, kind, doc, value in ENGINE_METRICS:
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(name, doc, value=value(self.state))
+
+
+def serve_metrics(state: "CaptureState", port: int) -> None:
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(state))
     start_http_server(port, addr="0.0.0.0", registry=registry)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import aiohttp
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from eldr_sglang.core.policies import RouteRequest, policy_spec
 
@@ -44,18 +45,19 @@ ENGINE_COUNTERS = ("eldr_decode_unique_experts_total", "eldr_decode_steps_total"
 SGLANG_HISTOGRAMS = ("sglang:time_per_output_token_seconds", "sglang:time_to_first_token_seconds")
 
 
-def parse_prometheus(text: str, names: tuple[str, ...]) -> dict[str, float]:
-    """Sum of the samples of each name in ``names`` (labels ignored)."""
+def parse_prometheus(text: str, names: Optional[tuple[str, ...]] = None) -> dict[str, float]:
+    """Sum over label sets of each sample name in ``names`` (default: every sample), from
+    Prometheus text (``prometheus_client``'s parser: timestamps, escapes, exemplars); {}
+    for text it cannot parse."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in names:
-            try:
-                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[-1])
-            except ValueError:
-                continue
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if names is None or s.name in names:
+                    out[s.name] = out.get(s.name, 0.0) + s.value
+    except ValueError as e:
+        logger.warning("unparsable metrics text (%s)", e)
+        return {}
     return out
 
 

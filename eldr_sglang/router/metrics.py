@@ -234,13 +234,18 @@ class RouterMetrics:
 
 
 def histogram_quantiles(text: str, name: str, qs: tuple[float, ...] = (0.5, 0.99)) -> dict:
-    """From Prometheus text: each quantile's bucket upper bound (ms) of histogram ``name``,
-    the count and the buckets; {} when it has no observations (benchmarks read routers)."""
-    buckets = []
-    for line in text.splitlines():
-        if line.startswith(name + "_bucket"):
-            le = line.split('le="')[1].split('"')[0]
-            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.split()[-1])))
+    """From Prometheus text (``prometheus_client``'s parser): each quantile's bucket upper
+    bound (ms) of histogram ``name`` summed over its label sets, the count and the buckets;
+    {} when it has no observations (benchmarks read routers)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    by_le: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name + "_bucket" and "le" in s.labels:
+                le = float(s.labels["le"])  # "+Inf" -> inf
+                by_le[le] = by_le.get(le, 0.0) + s.value
+    buckets = sorted(by_le.items())
     if not buckets or buckets[-1][1] == 0:
         return {}
     total = buckets[-1][1]
@@ -248,4 +253,3 @@ def histogram_quantiles(text: str, name: str, qs: tuple[float, ...] = (0.5, 0.99
     for q in qs:
         out[f"p{int(q * 100)}_le_ms"] = next(le for le, c in buckets if c >= q * total) * 1e3
     return out
-

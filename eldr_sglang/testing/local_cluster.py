@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eldr_sglang.patches.cpu_compat import cuda_available
+from eldr_sglang.router.ab import parse_prometheus
 
 #: KV slots per CPU server: bounds the memory SGLang reserves (it otherwise
 #: sizes the pool from the machine's free RAM).
@@ -186,15 +187,9 @@ class ServerSpec:
 
 
 def scrape_metrics(port: int) -> dict[str, float]:
-    """Plain ``name value`` samples of a Prometheus endpoint (labels dropped)."""
+    """Each sample name of a Prometheus endpoint, summed over its label sets."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name.split("{")[0]] = float(value)
-    return out
+        return parse_prometheus(resp.read().decode())
 
 
 def start_server(spec: ServerSpec, log_dir: Path, name: str | None = None) -> ManagedProcess:

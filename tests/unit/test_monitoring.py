@@ -2,12 +2,10 @@
 
 Every PromQL expression parses (promql-parser), and every metric and label it names
 is exported: the router's from a fresh ``RouterMetrics`` registry, the engine
-plugin's from the ``gauge("eldr_...", ...)`` calls of ``eldr_sglang/patches/metrics.py``
-(read from the source: importing it loads torch through the capture code)."""
+plugin's from ``ENGINE_METRICS`` of ``eldr_sglang/patches/metrics.py``."""
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 from pathlib import Path
@@ -17,11 +15,11 @@ import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
+from eldr_sglang.patches.metrics import ENGINE_METRICS
 from eldr_sglang.router.metrics import RouterMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 MONITORING = ROOT / "deploy" / "monitoring"
-ENGINE_METRICS_SOURCE = ROOT / "eldr_sglang" / "patches" / "metrics.py"
 TARGET_LABELS = {"instance", "job"}  # Prometheus adds them to every scraped sample
 GRAFANA = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h", "$router": ".*", "$engine": ".*"}
 NAME = re.compile(r"(?<![A-Za-z0-9_:])(eldr_[A-Za-z0-9_:]*)(?=[{\[),]|\s|$)")
@@ -47,12 +45,8 @@ def router_exports() -> dict[str, set[str]]:
 
 
 def engine_exports() -> dict[str, set[str]]:
-    """The engine plugin's gauges (no labels of their own)."""
-    tree = ast.parse(ENGINE_METRICS_SOURCE.read_text())
-    names = {node.args[0].value for node in ast.walk(tree)
-             if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("gauge", "Gauge") and node.args
-             and isinstance(node.args[0], ast.Constant) and str(node.args[0].value).startswith("eldr_")}
-    return {name: set() for name in names}
+    """The engine plugin's metrics (no labels of their own): counters as ``NAME_total``."""
+    return {name + ("_total" if kind == "counter" else ""): set() for name, kind, _, _ in ENGINE_METRICS}
 
 
 @pytest.fixture(scope="module")
