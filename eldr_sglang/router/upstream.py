@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import errno
+import os
 import ssl
 import time
 import urllib.parse
@@ -461,7 +462,7 @@ class UpstreamClient:
                                          "router out of file descriptors or memory (not the "
                                          "worker's fault)") from None
             raise ConnectError(f"cannot connect to {host}:{port}: {e}",
-                               f"cannot connect to the worker ({e.strerror or type(e).__name__})") from None
+                               f"cannot connect to the worker ({os.strerror(e.errno) if e.errno else type(e).__name__})") from None
         return conn
 
     async def post(self, url: str, body: bytes, content_type: bytes = b"application/json",

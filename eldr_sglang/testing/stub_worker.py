@@ -27,8 +27,11 @@ succeeds), ``freeze()`` / ``thaw()`` (like SIGSTOP: every endpoint, health
 included, stops answering), ``packed_counts=False`` / ``--list-counts``
 (counts as JSON rows instead of the engine's packed base64 form), ``health_status`` (what ``/health`` answers),
 ``stream_chunks`` / ``stream_delay`` (slow SSE stream), ``kv`` (a :class:`KvHandoff`
-shared by in-process prefill and decode stubs: SGLang's PD dependency, see there). It records every request
-body (``requests``), every aborted rid (``aborts``) and signature post (``signatures``).
+shared by in-process prefill and decode stubs: SGLang's PD dependency, see there),
+``api_key`` (like SGLang's ``--api-key``: 401 without ``Authorization: Bearer KEY``,
+``/health`` excepted), ``backlog`` (listen queue). It records every request body
+(``requests``) and its headers (``headers``), the most requests answered at once
+(``max_active``), every aborted rid (``aborts``) and signature post (``signatures``).
 
 It also answers sglang-router (0.3.2, PD mode): ``/health``, ``/get_server_info``,
 ``/get_model_info``, ``/v1/models``, and takes prefill/decode posts in any order.
@@ -183,6 +186,8 @@ class StubWorker:
         kv: Optional[KvHandoff] = None,
         signature_on_failure: bool = True,
         fail_after_kv: float = 0.0,
+        api_key: Optional[str] = None,
+        backlog: int = 128,
     ) -> None:
         assert role in ("prefill", "decode")
         self.role, self.name = role, name or role
@@ -205,6 +210,10 @@ class StubWorker:
         self.kv = kv
         self.signature_on_failure, self.fail_after_kv = signature_on_failure, fail_after_kv
         self.active = 0  # generate requests being answered (reported on /v1/loads)
+        self.max_active = 0  # the most answered at once
+        self.api_key = api_key  # like SGLang's --api-key: Bearer needed except on /health
+        self.backlog = backlog  # listen backlog (aiohttp's default 128; SGLang's uvicorn 2048)
+        self.headers: list[dict] = []  # headers of every generate request
         self._thawed = asyncio.Event()
         self._thawed.set()
         self.requests: list[dict] = []
@@ -222,7 +231,7 @@ class StubWorker:
 
     # ------------------------------------------------------------------ app
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024**2)
+        app = web.Application(client_max_size=64 * 1024**2, middlewares=[self._check_key])
         for ep in ("/generate", "/v1/completions", "/v1/chat/completions"):
             app.router.add_post(ep, self.h_generate)
         app.router.add_post("/abort_request", self.h_abort)
@@ -237,6 +246,13 @@ class StubWorker:
         app.router.add_get("/v1/loads", self.h_loads)
         return app
 
+    @web.middleware
+    async def _check_key(self, request: web.Request, handler) -> web.StreamResponse:
+        if (self.api_key and not request.path.startswith("/health")
+                and request.headers.get("Authorization") != f"Bearer {self.api_key}"):
+            return web.json_response({"error": {"message": "Unauthorized"}}, status=401)
+        return await handler(request)
+
     def freeze(self) -> None:
         """Stop answering anything (health included), like a SIGSTOPped process."""
         self._thawed.clear()
@@ -249,7 +265,7 @@ class StubWorker:
         self._runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None,
                                      shutdown_timeout=0.5)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        site = web.TCPSite(self._runner, host, port, backlog=self.backlog)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.url = f"http://{host}:{self.port}"
@@ -384,6 +400,8 @@ class StubWorker:
     async def h_generate(self, request: web.Request) -> web.StreamResponse:
         await self._thawed.wait()
         self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        self.headers.append(dict(request.headers))
         try:
             return await self._generate(request)
         finally:
@@ -491,6 +509,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--num-experts", type=int, default=8)
     p.add_argument("--stream-chunks", type=int, default=3)
     p.add_argument("--stream-delay", type=float, default=0.0)
+    p.add_argument("--backlog", type=int, default=128, help="listen backlog")
     a = p.parse_args(argv)
     w = StubWorker(a.role, name=a.name, latency=a.latency, fail_rate=a.fail_rate,
                    fail_status=a.fail_status, fail_first=a.fail_first,
@@ -499,7 +518,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                    signature_url=a.signature_url, signature_delay=a.signature_delay,
                    packed_counts=not a.list_counts,
                    layers=[int(x) for x in a.layers.split(",")], num_experts=a.num_experts,
-                   stream_chunks=a.stream_chunks, stream_delay=a.stream_delay)
+                   stream_chunks=a.stream_chunks, stream_delay=a.stream_delay,
+                   backlog=a.backlog)
 
     async def run() -> None:
         print(f"stub {w.role} on {await w.start(a.host, a.port)}", flush=True)
