@@ -213,7 +213,7 @@ class StubWorker:
         self.max_active = 0  # the most answered at once
         self.api_key = api_key  # like SGLang's --api-key: Bearer needed except on /health
         self.backlog = backlog  # listen backlog (aiohttp's default 128; SGLang's uvicorn 2048)
-        self.headers: list[dict] = []  # headers of every generate request
+        self.headers: list[dict] = []  # headers of every generate request (names lower-case)
         self._thawed = asyncio.Event()
         self._thawed.set()
         self.requests: list[dict] = []
@@ -401,7 +401,7 @@ class StubWorker:
         await self._thawed.wait()
         self.active += 1
         self.max_active = max(self.max_active, self.active)
-        self.headers.append(dict(request.headers))
+        self.headers.append({k.lower(): v for k, v in request.headers.items()})
         try:
             return await self._generate(request)
         finally:
