@@ -17,6 +17,7 @@ import torch
 
 from eldr_sglang.patches.dp_rows import RowBlock, dp_rank, live_slots, local_block, rank_blocks
 from eldr_sglang.patches.state import CaptureState
+from eldr_sglang.radix_signature.staging import mark_distinct, scatter_rows
 
 logger = logging.getLogger("eldr_sglang.capture")
 
@@ -60,28 +61,10 @@ def physical_to_logical(ids: torch.Tensor, layers: list[int], num_ids: int) -> t
     return torch.where(valid, mapped, flat).reshape(n_layers, n, k).permute(1, 0, 2)
 
 
-def write_table(state: CaptureState, slots: torch.Tensor, ids: torch.Tensor) -> None:
-    """``table[slots] = ids`` (the table's layers of the staged ones)."""
-    table = state.table
-    if ids.shape[0] == 0:
-        return
-    if state.table_columns is not None:
-        ids = ids.index_select(1, state.table_columns)
-    table.ids[slots[: ids.shape[0]].long()] = ids[:, :, : table.top_k].to(table.ids.dtype)
-
-
 def add_decode_step(state: CaptureState, ids: torch.Tensor) -> None:
     """Distinct experts per layer of one decode step over ``ids`` ``[n, L, k]``
     (every layer staged): into ``decode.active`` and the running total."""
-    d = state.decode
-    num_experts = d.hits.shape[1] - 1
-    d.hits.zero_()
-    if ids.shape[0]:
-        n, n_layers, k = ids.shape
-        cols = ids.permute(1, 0, 2).reshape(n_layers, n * k)
-        cols = torch.where((cols >= 0) & (cols < num_experts), cols, num_experts)
-        d.hits.scatter_(1, cols, True)  # invalid ids land in the last column, never counted
-    d.unique_total += d.active.sum()
+    state.decode.unique_total += mark_distinct(state.decode.hits, ids)
 
 
 def add_decode_counts(state: CaptureState, forward_batch, ids: torch.Tensor) -> None:
@@ -111,7 +94,7 @@ def after_forward(state: CaptureState, model_runner, forward_batch, output) -> N
     if state.table is not None or state.decode_acc is not None:
         ids = staged_rows(state, mine)
         if state.table is not None:
-            write_table(state, slots, ids)
+            scatter_rows(state.table.ids, slots, ids, state.table_columns)
         if decode and state.decode_acc is not None:
             add_decode_counts(state, forward_batch, ids)
     if decode and state.decode.hits is not None:

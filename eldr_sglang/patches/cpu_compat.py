@@ -9,7 +9,9 @@ Two kinds of fixes, both inactive when CUDA is present:
   found only when no real ``sgl_kernel`` is installed, and the op schemas that
   PyPI's CUDA-built torchvision needs to import beside the CPU torch;
 * run-time hooks (``register_hooks``) through SGLang's ``HookRegistry``, e.g.
-  the pinned-memory + ``torch.cuda.Event`` branch of the prefill KV sender.
+  the pinned-memory + ``torch.cuda.Event`` branch of the prefill KV sender, and
+  a plain allocator for host buffers on the ``cpu`` device (SGLang's default
+  registers them with CUDA), so ``--enable-return-routed-experts`` runs on CPU.
 """
 
 from __future__ import annotations
@@ -150,9 +152,19 @@ def _yield_when_idle(original, self, *args, **kwargs):
     return None
 
 
+def _alloc_host_plain(dims, dtype, device, pin_memory, allocator=None, registration_granularity_bytes=None):
+    """Host buffer without CUDA host registration (there is no CUDA here)."""
+    import torch
+
+    return torch.zeros(dims, dtype=dtype, device="cpu")
+
+
 def register_hooks() -> None:
     """Register the CPU run-time fixes with SGLang's ``HookRegistry``."""
+    from sglang.srt.mem_cache.pool_host import common as pool_host
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    pool_host.ALLOC_MEMORY_FUNCS["cpu"] = _alloc_host_plain  # routed-experts host cache on CPU
 
     HookRegistry.register(
         "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.__init__",

@@ -61,3 +61,30 @@ class ExpertStage:
         if n:
             self.buf[offset:offset + n, col].copy_(topk_ids[:n, : self.top_k])
         return rows
+
+
+def scatter_rows(table_ids: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
+                 columns: torch.Tensor | None = None) -> None:
+    """After the forward: ``table_ids[slots] = rows`` (``rows``: ``[n, staged layers, >= k]``
+    ids of the live tokens; ``columns``: the staged column of each table layer, None
+    when the table holds the staged layers themselves)."""
+    if rows.shape[0] == 0:
+        return
+    if columns is not None:
+        rows = rows.index_select(1, columns)
+    table_ids[slots[: rows.shape[0]].long()] = rows[:, :, : table_ids.shape[2]].to(table_ids.dtype)
+
+
+def mark_distinct(hits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """After a decode step: ``hits[layer, expert]`` set for every expert ``ids``
+    (``[n, layers, k]``) names; ``hits`` has one column more than there are experts,
+    where invalid ids (padding, -1) land. Returns the distinct experts summed over
+    layers (a device scalar: no host sync)."""
+    num_experts = hits.shape[1] - 1
+    hits.zero_()
+    if ids.shape[0]:
+        n, n_layers, k = ids.shape
+        cols = ids.long().permute(1, 0, 2).reshape(n_layers, n * k)
+        cols = torch.where((cols >= 0) & (cols < num_experts), cols, num_experts)
+        hits.scatter_(1, cols, True)
+    return hits[:, :num_experts].sum()
