@@ -9,8 +9,9 @@
 3. replay a mixed workload (``benchmark/workloads/demo.jsonl``: code, maths,
    medicine, law; English, Chinese, Russian, French) through the ELDR router
    with ``--policy round_robin``, then restart only the router with
-   ``--policy eldr`` and replay it again;
-4. print, per policy: each decode server's label mix, the mean distinct experts
+   ``--policy eldr`` (the paper's band rule) and ``--policy eldr_balanced`` (the
+   default) and replay it again each time;
+4. print, per policy: each decode server's label mix and request count, the mean distinct experts
    per decode step measured inside the decode servers, latency figures and a
    verdict; save a PNG; tear everything down (also on Ctrl-C).
 
@@ -205,6 +206,12 @@ def matched_change(base: PhaseReport, other: PhaseReport) -> tuple[float, int]:
     return (100.0 * num / den if den else float("nan")), matched
 
 
+def max_over_mean(mix: dict[str, Counter]) -> float:
+    """Requests of the busiest decode server over the mean per server (1.0 = even)."""
+    per = [sum(c.values()) for c in mix.values()]
+    return max(per) / (sum(per) / len(per)) if per and sum(per) else float("nan")
+
+
 def label_entropy(mix: dict[str, Counter]) -> float:
     """Mean Shannon entropy (bits) of the label mix per decode server, weighted by
     requests: 0 when each server gets one label, log2(labels) when all mix evenly."""
@@ -225,6 +232,8 @@ def report_json(reports: list[PhaseReport], decode_urls: list[str]) -> dict:
         "policies": {rep.policy: {
             "label_mix": {u: dict(rep.label_mix[u]) for u in decode_urls},
             "label_entropy_bits": label_entropy(rep.label_mix),
+            "requests_per_server": [sum(rep.label_mix[u].values()) for u in decode_urls],
+            "requests_max_over_mean": max_over_mean(rep.label_mix),
             "unique_experts_per_step": {u: rep.unique_per_step[u] for u in decode_urls},
             "decode_steps": {u: rep.steps[u] for u in decode_urls},
             "mean_unique_experts_per_step": rep.unique_overall(),
@@ -253,6 +262,9 @@ def print_report(reports: list[PhaseReport], decode_urls: list[str]) -> str:
     figs = [rep.latency_figures() for rep in reports]
     lines.append("".ljust(26) + "".join(rep.policy.rjust(w) for rep in reports))
     lines.append("mean experts/decode step".ljust(26) + "".join(f"{rep.unique_overall():{w}.2f}" for rep in reports))
+    lines.append("requests per server".ljust(26) + "".join(
+        "/".join(str(sum(rep.label_mix[u].values())) for u in decode_urls).rjust(w) for rep in reports))
+    lines.append("max/mean requests".ljust(26) + "".join(f"{max_over_mean(rep.label_mix):{w}.2f}" for rep in reports))
     lines.append("label entropy/server, bits".ljust(26) + "".join(f"{label_entropy(rep.label_mix):{w}.2f}"
                                                               for rep in reports))
     for key in figs[0]:
@@ -268,7 +280,9 @@ def print_report(reports: list[PhaseReport], decode_urls: list[str]) -> str:
         change, matched = matched_change(reports[0], rep)
         lines.append(f"Verdict: at equal batch size, {rep.policy} activated {abs(change):.1f}% "
                      f"{'fewer' if change < 0 else 'more'} distinct experts per decode step than "
-                     f"{reports[0].policy} ({matched} matched steps).")
+                     f"{reports[0].policy} ({matched} matched steps), with max/mean requests per decode "
+                     f"server {max_over_mean(rep.label_mix):.2f} ({reports[0].policy}: "
+                     f"{max_over_mean(reports[0].label_mix):.2f}).")
     lines.append("Note: CPU latency here does not stand for GPU latency; distinct experts per decode step is the")
     lines.append("hardware-independent figure (a GPU decode step reads the weights of each distinct expert once).")
     lines.append("=" * 78)
@@ -295,7 +309,7 @@ def save_plot(reports: list[PhaseReport], decode_urls: list[str], out: Path) -> 
             ax.bar([f"decode-{i}" for i in range(len(decode_urls))], vals, bottom=bottom, label=label,
                    color=colors[j % len(colors)])
             bottom += vals
-        ax.set_title(f"{rep.policy}: requests per decode server (label mix)")
+        ax.set_title(f"{rep.policy}: requests per decode server\n(label mix; max/mean {max_over_mean(rep.label_mix):.2f})")
     top = max(sum(mix.values()) for rep in reports for mix in rep.label_mix.values())
     for ax in axes[:-1]:
         ax.set_ylim(0, top * 1.5)  # one scale for both policies; headroom for the legend
@@ -304,10 +318,11 @@ def save_plot(reports: list[PhaseReport], decode_urls: list[str], out: Path) -> 
     for rep, style in zip(reports, ("o--", "s-", "^-", "d-", "v-")):
         sizes = sorted(b for b, v in rep.by_batch.items() if len(v) >= MIN_PLOT_STEPS)
         ax.plot(sizes, [np.mean(rep.by_batch[b]) for b in sizes], style, label=rep.policy)
-    change, matched = matched_change(reports[0], reports[-1])
     ax.set_xlabel("decode batch size")
     ax.set_ylabel("distinct experts per step (all MoE layers)")
-    ax.set_title(f"measured inside the decode servers\n{reports[-1].policy}: {change:+.1f}% at equal batch size")
+    changes = ", ".join(f"{rep.policy} {matched_change(reports[0], rep)[0]:+.1f}%" for rep in reports[1:])
+    ax.set_title(f"measured inside the decode servers\nat equal batch size vs {reports[0].policy}: {changes}",
+                 fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -325,7 +340,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--concurrency", type=int, default=12)
     p.add_argument("--out", type=Path, default=Path(".cache/demo"))
-    p.add_argument("--policies", nargs="+", default=["round_robin", "eldr"],
+    p.add_argument("--policies", nargs="+", default=["round_robin", "eldr", "eldr_balanced"],
                    help="router policies replayed in turn; the first is the baseline the others "
                         "are compared with at equal batch size")
     args = p.parse_args(argv)
@@ -379,7 +394,7 @@ def main(argv=None) -> int:
             lc.flush_cache(cluster.prefills[0][0].url)  # both policies start from a cold prefix cache
             router = lc.start_eldr_router_ready(
                 cluster, logs, policy=policy,
-                artifact=artifact if policy_spec(policy).needs_artifact else None,
+                artifact=artifact,
                 extra_args=["--signature-port", "0"])
             n_labels = len({label for _, label, _ in rows})
             print(f"Replaying {len(rows)} requests ({n_labels} labels, concurrency {args.concurrency}) "

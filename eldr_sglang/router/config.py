@@ -38,7 +38,7 @@ class RouterConfig:
     """Router settings (seconds, MiB, counts). ``None`` means "derived" where said."""
 
     # routing
-    policy: str = _opt("decode-routing policy (see --help for the names)", "eldr")
+    policy: str = _opt("decode-routing policy (see --help for the names)", "eldr_balanced")
     calibration: Optional[str] = _opt("calibration artifact (needed by artifact policies)")
     tau: Optional[float] = _opt("locality band; default: the artifact's tau (0 included)")
     domain_map: Optional[str] = _opt("JSON (inline or file): label -> [decode index or URL, ...]")

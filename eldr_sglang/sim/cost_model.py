@@ -208,17 +208,20 @@ def with_overrides(params: CostParams, **changes) -> CostParams:
     return replace(params, **changes)
 
 
-def step_cost(params: CostParams, published_layers: int, expert_scale: float = 1.0, max_batch: int = 256):
-    """The state-aware policy's linear step cost for ``params`` (KV term left out, no EP max):
+def step_cost(params: CostParams, published_layers: int, expert_scale: float = 1.0, max_batch: int = 256,
+              context_tokens: float = 0.0):
+    """The state-aware policy's linear step cost for ``params`` (no EP max):
     ``base + per_seq * B + per_expert * U`` with ``U`` the distinct experts summed over
     ``published_layers`` trace layers, each standing for ``num_moe_layers / published_layers``
     layers of the model, counted in trace experts (``expert_scale`` = model experts per
-    trace expert)."""
+    trace expert). ``context_tokens``: the KV tokens of an average running sequence, whose
+    KV read is added to ``per_seq`` (0: the KV term is left out)."""
     from ..core.policies.state_aware import StepCost
 
     L = params.num_moe_layers
     return StepCost(base_s=params.fixed_s + params.dense_s + params.moe_layer_fixed_s * L,
-                    per_seq_s=params.attn_s_per_token + params.moe_s_per_token * L,
+                    per_seq_s=(params.attn_s_per_token + params.moe_s_per_token * L
+                               + params.attn_s_per_ctx_token * context_tokens),
                     per_expert_s=params.expert_read_s * L / published_layers * expert_scale,
                     max_batch=max_batch)
 

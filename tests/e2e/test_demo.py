@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -17,18 +18,21 @@ from eldr_sglang.demo import label_entropy
 pytestmark = [pytest.mark.sglang, pytest.mark.exclusive]
 ROOT = Path(__file__).resolve().parents[2]
 REQUESTS = 32
+MARKER_VAR = "ELDR_TEST_DEMO_RUN"
 
 
-def server_pids() -> set[int]:
-    """SGLang servers and ELDR routers running now."""
+def processes_marked(marker: str) -> set[int]:
+    """Processes whose environment carries ``marker``: the demo's own descendants (they
+    inherit it), never processes someone else started meanwhile."""
+    needle = f"{MARKER_VAR}={marker}".encode()
     out = set()
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ")
+                env = (d / "environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"sglang.launch_server" in cmd or b"eldr_sglang.router" in cmd or b"sglang::" in cmd:
+            if needle in env:
                 out.add(int(d.name))
     return out
 
@@ -44,12 +48,12 @@ def test_label_entropy_is_measured_not_assumed():
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    before = server_pids()
+    marker = uuid.uuid4().hex
     done = subprocess.run(
         [sys.executable, "-m", "eldr_sglang.demo", "--decodes", "2", "--requests", str(REQUESTS),
          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=1500,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    left = server_pids() - before
+        env={**os.environ, "PYTHONUNBUFFERED": "1", MARKER_VAR: marker})
+    left = processes_marked(marker)
     return done, out, left
 
 
@@ -76,6 +80,18 @@ def test_fast_demo_eldr_concentrates_labels(demo_run):
     assert eldr["router_counters"]["signatures_used"] >= REQUESTS, eldr["router_counters"]
     assert eldr["router_counters"].get("fallbacks", 0) == 0, eldr["router_counters"]
     assert eldr["label_entropy_bits"] < rr["label_entropy_bits"], (eldr["label_mix"], rr["label_mix"])
+
+
+def test_fast_demo_default_policy_balances_and_groups(demo_run):
+    """The default policy: every request served, signatures used, at most 1.25x the mean
+    requests on a decode server, and labels less mixed than round robin's."""
+    done, out, _ = demo_run
+    report = json.loads((out / "report.json").read_text())
+    rr, bal = report["policies"]["round_robin"], report["policies"]["eldr_balanced"]
+    assert sum(bal["requests_per_server"]) == REQUESTS and bal["latency"]["completed"] >= REQUESTS - 1
+    assert bal["router_counters"]["signatures_used"] >= REQUESTS, bal["router_counters"]
+    assert bal["requests_max_over_mean"] <= 1.25, bal["requests_per_server"]
+    assert bal["label_entropy_bits"] < rr["label_entropy_bits"], (bal["label_mix"], rr["label_mix"])
 
 
 def test_fast_demo_leaves_no_process_behind(demo_run):

@@ -128,6 +128,10 @@ class StateAwarePolicy(Policy):
             self.free_sum = np.delete(self.free_sum, index)
 
     # ------------------------------------------------------------ decision
+    def _added_experts(self, p: np.ndarray) -> list[float]:
+        """[N] expected distinct experts ``p`` adds to each server's batch: one matvec."""
+        return (self.free @ p).tolist()
+
     def _costs(self, request, loads) -> list[float]:
         """Per-server score as Python floats (a loop over N beats ~15 small numpy calls)."""
         c = self.cost
@@ -137,7 +141,7 @@ class StateAwarePolicy(Policy):
         else:
             p = self._vector(request.activation)
             self._ensure(p.size)
-            du = (self.free @ p).tolist()  # one [N, D] float32 matvec
+            du = self._added_experts(p)
             u = (self.dim - self.free_sum).tolist()
         base, ps, pe, mb = c.base_s, c.per_seq_s, c.per_expert_s, c.max_batch
         out = []

@@ -1,0 +1,358 @@
+"""Which policy is the router's default: eldr_balanced against the balancers, ELDR, Domain and
+the oracle grouping, by the decision rule below. SIMULATED.
+
+    .venv/bin/python benchmark/bench_default_policy.py --jobs 2     # everything missing (about 40 CPU-min)
+    .venv/bin/python benchmark/bench_default_policy.py --quick      # smoke test (seconds; outputs under .cache/)
+    .venv/bin/python benchmark/bench_default_policy.py --render-only
+
+Three experiments, seeds 0-4, both workloads (measured traces of the tiny trained MoE):
+
+* **grid**: decode servers K in {8, 16, 24}, 20-100 req/s, the settings of
+  ``bench_state_aware.py``; the reference policies' runs are taken from its JSON
+  (``results/state_aware_sweep.json``) after re-simulating a sample of them here and
+  checking that they come out identical;
+* **goodput**: ``report.py``'s sweep to decode saturation (16 decode, 24 prefill servers,
+  100-600 req/s); the reference runs come from ``results/runs.json``, checked the same way;
+* **mix shift**: calibrated on the calibration split's mix, served a different one (the
+  most frequent label 4x as likely as each other label), no refit; every policy simulated here.
+
+Decision rule, each check on seed means, with the paired per-seed difference and its
+standard error (SE) shown: (1) median TPOT below the best balancer (round robin, JSQ) at
+every load, and within 2 SE of ELDR's or better at >= 40 req/s; (2) P99 TPOT never above
+the best balancer's by more than 2 SE; (3) goodput at P99 TPOT <= 25 and 40 ms at least the
+best balancer's; (4) under the mix shift, load CV and P99 no worse than JSQ's (2 SE);
+(5) on task at >= 60 req/s, median at least Domain's (2 SE) and >= 90% of the oracle
+grouping's median gain over the best balancer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bench_state_aware as grid_bench  # noqa: E402
+import report  # noqa: E402
+import sweeps  # noqa: E402
+from eldr_sglang.core.policies import PolicyContext, StateAwarePolicy, build_policy  # noqa: E402
+from eldr_sglang.core.policies.eldr_balanced import EldrBalancedPolicy  # noqa: E402
+from eldr_sglang.sim.calibration import prefill_activations  # noqa: E402
+from eldr_sglang.sim.cost_model import get_params, step_cost  # noqa: E402
+from eldr_sglang.sim.simulator import simulate  # noqa: E402
+
+CANDIDATE = "eldr_balanced"
+BALANCERS = ("round_robin", "jsq")
+GRID_REFS = ("round_robin", "jsq", "domain", "eldr", "state_aware", "oracle")
+GOODPUT_POLICIES = ("round_robin", "jsq", "eldr", CANDIDATE)
+SHIFT_POLICIES = ("round_robin", "jsq", "eldr", "state_aware", CANDIDATE)
+SHIFT_WEIGHT = 4.0  # the most frequent label is this many times as likely as each other label
+FULL = dict(pools=(8, 16, 24), rates=(20.0, 40.0, 60.0, 80.0, 100.0), seeds=5, goodput_k=16,
+            goodput_rates=sweeps.FULL.goodput_rates, shift_k=16, shift_rates=(40.0, 80.0, 100.0))
+QUICK = dict(pools=(8,), rates=(20.0, 60.0), seeds=2, goodput_k=8, goodput_rates=(100.0, 200.0),
+             shift_k=8, shift_rates=(60.0,))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python benchmark/bench_default_policy.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny grid, short windows, no reference reuse; .cache/ outputs")
+    ap.add_argument("--render-only", action="store_true", help="rewrite the markdown from the JSON")
+    ap.add_argument("--jobs", type=int, default=1, help="simulation processes")
+    ap.add_argument("--out-dir", type=Path, default=None, help="default: benchmark/results (--quick: .cache/...)")
+    return ap
+
+
+# -- runs ---------------------------------------------------------------------------------------------------
+def candidate_policy(k: int, routing: sweeps.Routing, data: sweeps.WorkloadData, cost: str) -> EldrBalancedPolicy:
+    """The default policy as the router builds it, its cost law mapped onto the trace model
+    (published layers, experts per trace expert, the sweep's 600 + 300/2 context tokens)."""
+    params = get_params(cost)
+    sc = step_cost(params, len(routing.layers), expert_scale=params.num_experts / data.sim.num_experts,
+                   context_tokens=600.0 + 300.0 / 2)
+    return EldrBalancedPolicy(k, cost=sc, centroids=routing.eldr_centroids)
+
+
+def shifted_rows(labels: np.ndarray):
+    """Row picker for the mix shift: the most frequent label SHIFT_WEIGHT x each other label."""
+    names, counts = np.unique(labels, return_counts=True)
+    top = names[np.argmax(counts)]
+    per_label = {n: np.flatnonzero(labels == n) for n in names}
+    w = np.array([SHIFT_WEIGHT if n == top else 1.0 for n in names])
+    w /= w.sum()
+
+    def rows(arrivals: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        lab = rng.choice(len(names), size=arrivals.size, p=w)
+        return np.array([per_label[names[i]][rng.integers(per_label[names[i]].size)] for i in lab])
+    return rows, str(top)
+
+
+STATE: dict = {}
+
+
+def run_task(task: tuple) -> dict:
+    exp, wl, policy, cfg = task
+    a, data = STATE["args"], STATE["data"][wl]
+    k = cfg.num_decode
+    routing = grid_bench.routing_for(data, k, cfg.seed, a)
+    rows = shifted_rows(data.sim.labels)[0] if exp == "shift" else None
+    sigs, acts = routing.eldr_signatures, None
+    if policy == CANDIDATE:
+        pol = candidate_policy(k, routing, data, cfg.cost)
+    elif policy == "state_aware":  # as bench_state_aware.py runs it
+        params = get_params(cfg.cost)
+        pol = StateAwarePolicy(k, cost=step_cost(params, len(routing.layers),
+                                                 expert_scale=params.num_experts / data.sim.num_experts))
+    elif policy == "oracle":
+        pol = build_policy("eldr", PolicyContext(k, seed=cfg.seed, tau=grid_bench.TAU,
+                                                 centroids=routing.oracle_centroids))
+        sigs = routing.oracle_signatures
+    else:
+        pol = build_policy(policy, PolicyContext(k, seed=cfg.seed, tau=grid_bench.TAU,
+                                                 centroids=routing.eldr_centroids, domain_map=routing.domain))
+    if pol.uses_activation:
+        acts = prefill_activations(data.evaluation, routing.layers)
+    res = simulate(data.sim, pol, cfg, sigs, activations=acts, rows=rows)
+    if any(s.live for s in getattr(pol, "servers", ())):
+        raise RuntimeError(f"{policy}: a request was admitted and never released")
+    row = dict(res.summary)
+    row.update(experiment=exp, workload=wl, policy=policy, rate=cfg.rate, num_decode=k, seed=cfg.seed)
+    return row
+
+
+def key(r: dict) -> tuple:
+    return (r["experiment"], r["workload"], int(r["num_decode"]), float(r["rate"]), int(r["seed"]), r["policy"])
+
+
+def reference_runs(g: dict, wls: list[str]) -> list[dict]:
+    """Saved runs of the reference policies, as rows of this benchmark."""
+    out = []
+    sa = json.loads((HERE / "results" / "state_aware_sweep.json").read_text())["runs"]
+    out += [dict(r, experiment="grid") for r in sa if r["policy"] in GRID_REFS and r["workload"] in wls
+            and r["num_decode"] in g["pools"] and r["rate"] in g["rates"] and r["seed"] < g["seeds"]]
+    rep = json.loads((HERE / "results" / "runs.json").read_text())["runs"]
+    out += [dict(r) for r in rep if r["experiment"] == "goodput" and r["policy"] in GOODPUT_POLICIES
+            and r["workload"] in wls and r["seed"] < g["seeds"]]
+    return out
+
+
+def configs(a, g: dict, wls: list[str]) -> list[tuple]:
+    """Every (experiment, workload, policy, SimConfig) of the benchmark."""
+    base = grid_bench.base_config(a)
+    warm, window = sweeps.FULL.goodput_window if not a.quick else (2.0, 6.0)
+    out = []
+    for wl in wls:
+        for seed in range(g["seeds"]):
+            for k in g["pools"]:
+                for rate in g["rates"]:
+                    out += [("grid", wl, p, replace(base, num_decode=k, rate=rate, seed=seed))
+                            for p in GRID_REFS + (CANDIDATE,)]
+            for rate in g["goodput_rates"]:
+                cfg = replace(base, num_decode=g["goodput_k"], num_prefill=sweeps.FULL.goodput_prefill, rate=rate,
+                              warmup_s=warm, measure_s=window, seed=seed)
+                out += [("goodput", wl, p, cfg) for p in GOODPUT_POLICIES]
+            for rate in g["shift_rates"]:
+                out += [("shift", wl, p, replace(base, num_decode=g["shift_k"], rate=rate, seed=seed))
+                        for p in SHIFT_POLICIES]
+    return out
+
+
+def check_reuse(tasks: list[tuple], saved: dict, jobs: int) -> list[dict]:
+    """Re-simulate seed 0 of one grid and one goodput point per workload and reference policy."""
+    probe = [t for t in tasks if t[0] in ("grid", "goodput") and t[3].seed == 0 and t[2] != CANDIDATE
+             and t[3].rate in (60.0, 300.0) and t[3].num_decode == 16]
+    rows = sweeps.pool_map(run_task, probe, jobs, "check reused reference runs")
+    out = []
+    for r in rows:
+        old = saved[key(r)]
+        same = all(abs(old[m] - r[m]) <= 1e-9 * max(1.0, abs(old[m])) for m in ("tpot_median_ms", "tpot_p99_ms"))
+        out.append({"key": list(key(r)), "same": same, "saved": old["tpot_median_ms"], "now": r["tpot_median_ms"]})
+    return out
+
+
+# -- the rule -----------------------------------------------------------------------------------------------
+def per_seed(runs, exp, wl, k, rate, policy, metric) -> dict:
+    return {r["seed"]: r[metric] for r in runs if key(r)[:4] == (exp, wl, k, rate) and r["policy"] == policy}
+
+
+def diff(runs, exp, wl, k, rate, metric, other) -> dict:
+    """Paired per-seed candidate - ``other`` (``other`` may be 'best_lb': the balancer with the
+    lower seed-mean ``metric``)."""
+    if other == "best_lb":
+        other = min(BALANCERS, key=lambda p: np.mean(list(per_seed(runs, exp, wl, k, rate, p, metric).values())))
+    c, o = per_seed(runs, exp, wl, k, rate, CANDIDATE, metric), per_seed(runs, exp, wl, k, rate, other, metric)
+    s = sorted(set(c) & set(o))
+    d = np.array([c[i] - o[i] for i in s])
+    se = float(d.std(ddof=1) / np.sqrt(d.size)) if d.size > 1 else 0.0
+    return {"vs": other, "cand": float(np.mean([c[i] for i in s])), "other": float(np.mean([o[i] for i in s])),
+            "diff": float(d.mean()), "se": se, "n": int(d.size)}
+
+
+def goodputs(runs, wl, k, target) -> dict:
+    out = {}
+    for p in GOODPUT_POLICIES:
+        by_seed = {}
+        for r in runs:
+            if r["experiment"] == "goodput" and r["workload"] == wl and r["policy"] == p:
+                by_seed.setdefault(r["seed"], []).append(r)
+        out[p] = {s: report.goodput_of(rows, target)[0] for s, rows in sorted(by_seed.items())}
+    return out
+
+
+def decide(runs: list[dict], g: dict, wls: list[str]) -> dict:
+    checks = []
+
+    def add(rule, where, ok, d, note=""):
+        checks.append({"rule": rule, "where": where, "pass": bool(ok), **d, "note": note})
+
+    for wl in wls:
+        for k in g["pools"]:
+            for rate in g["rates"]:
+                w = f"{wl} K={k} {rate:g} req/s"
+                m = diff(runs, "grid", wl, k, rate, "tpot_median_ms", "best_lb")
+                add(1, w, m["diff"] < 0, m, "median < best balancer")
+                if rate >= 40:
+                    e = diff(runs, "grid", wl, k, rate, "tpot_median_ms", "eldr")
+                    add(1, w, e["diff"] <= 2 * e["se"], e, "median within 2 SE of eldr or better")
+                p = diff(runs, "grid", wl, k, rate, "tpot_p99_ms", "best_lb")
+                add(2, w, p["diff"] <= 2 * p["se"], p, "P99 within 2 SE of best balancer or better")
+                if wl == "task" and rate >= 60:
+                    dm = diff(runs, "grid", wl, k, rate, "tpot_median_ms", "domain")
+                    add(5, w, dm["diff"] <= 2 * dm["se"], dm, "median within 2 SE of domain or better")
+                    o = diff(runs, "grid", wl, k, rate, "tpot_median_ms", "oracle")
+                    lb = m["other"]
+                    share = 100.0 * (m["other"] - m["cand"]) / max(lb - o["other"], 1e-9)
+                    add(5, w, share >= 90.0, {"vs": "oracle", "cand": m["cand"], "other": o["other"],
+                                              "diff": share, "se": 0.0, "n": o["n"]},
+                        "share of the oracle's median gain over the best balancer (%)")
+        for t in sweeps.FULL.goodput_targets_ms:
+            gp = goodputs(runs, wl, g["goodput_k"], t)
+            lb = max(BALANCERS, key=lambda p: np.mean(list(gp[p].values())))
+            d = np.array([gp[CANDIDATE][s] - gp[lb][s] for s in gp[CANDIDATE]])
+            se = float(d.std(ddof=1) / np.sqrt(d.size)) if d.size > 1 else 0.0
+            cand, other = float(np.mean(list(gp[CANDIDATE].values()))), float(np.mean(list(gp[lb].values())))
+            add(3, f"{wl} goodput P99 <= {t:g} ms", cand >= other,
+                {"vs": lb, "cand": cand, "other": other, "diff": float(d.mean()), "se": se, "n": int(d.size)},
+                f"goodput req/s >= best balancer (eldr {np.mean(list(gp['eldr'].values())):.0f})")
+        for rate in g["shift_rates"]:
+            w = f"{wl} mix shift K={g['shift_k']} {rate:g} req/s"
+            for metric in ("load_cv", "tpot_p99_ms"):
+                d = diff(runs, "shift", wl, g["shift_k"], rate, metric, "jsq")
+                add(4, w, d["diff"] <= 2 * d["se"], d, f"{metric} within 2 SE of jsq or better")
+    return {"checks": checks, "failed": [c for c in checks if not c["pass"]],
+            "default": all(c["pass"] for c in checks)}
+
+
+# -- markdown -----------------------------------------------------------------------------------------------
+def mean_of(runs, exp, wl, k, rate, policy, metric) -> float:
+    v = list(per_seed(runs, exp, wl, k, rate, policy, metric).values())
+    return float(np.mean(v)) if v else float("nan")
+
+
+def render(doc: dict) -> str:
+    runs, g, dec = doc["runs"], doc["grid"], doc["decision"]
+    L = ["# The default policy: eldr_balanced vs balancers, ELDR, Domain and the oracle (SIMULATED)", "",
+         "**Every number here is SIMULATED** (`eldr_sglang/sim/simulator.py` + `eldr_sglang/sim/cost_model.py`, "
+         "cost set `qwen3-30b-a3b-mi300x`), driven by measured expert traces of the tiny trained MoE; the routing "
+         "decisions are made by the unchanged policy objects of `eldr_sglang.core.policies`. Generated by "
+         "`benchmark/bench_default_policy.py`; do not edit by hand.", "",
+         f"Command: `{doc['command']}`", "",
+         "Reference runs reused from `results/state_aware_sweep.json` (grid) and `results/runs.json` (goodput) "
+         "where a re-simulated sample of them (seed 0, 16 decode servers, 60 and 300 req/s) came out identical: "
+         + (f"{sum(c['same'] for c in doc['reuse_check'])} of {len(doc['reuse_check'])} identical; simulated again "
+            "(every point of that experiment and policy): "
+            + (", ".join(f"{c['key'][0]} {c['key'][5]} ({c['key'][1]}: saved {c['saved']:.3f}, now {c['now']:.3f} ms)"
+                         for c in doc["reuse_check"] if not c["same"]) or "none")
+            if doc["reuse_check"] else "(none reused)"),
+         "", "## Verdict", ""]
+    n, f = len(dec["checks"]), dec["failed"]
+    if dec["default"]:
+        L.append(f"**eldr_balanced meets all {n} checks of the decision rule: it is the router's default.**")
+    else:
+        L.append(f"**eldr_balanced fails {len(f)} of {n} checks** (listed below); the default follows that.")
+    L += ["", "| rule | where | check | eldr_balanced | other | vs | diff | SE | pass |", "|---|---|---|---|---|---|---|---|---|"]
+    for c in dec["checks"]:
+        if c["pass"] and c["rule"] in (1, 2) and not doc.get("all_rows"):
+            continue
+        L.append(f"| {c['rule']} | {c['where']} | {c['note']} | {c['cand']:.3f} | {c['other']:.3f} | {c['vs']} | "
+                 f"{c['diff']:+.3f} | {c['se']:.3f} | {'yes' if c['pass'] else '**no**'} |")
+    L += ["", "(Rows of rules 1 and 2 that pass are left out of the table above; the tables below have every point.)",
+          "", "## Grid: median / P99 TPOT (ms), seed means", ""]
+    pols = list(BALANCERS) + ["domain", "eldr", "state_aware", "oracle", CANDIDATE]
+    L += ["| workload | K | req/s | " + " | ".join(pols) + " | load CV eldr / balanced | distinct experts rr / eldr / balanced |",
+          "|---|---|---|" + "---|" * len(pols) + "---|---|"]
+    for wl in g["workloads"]:
+        for k in g["pools"]:
+            for rate in g["rates"]:
+                cells = [f"{mean_of(runs, 'grid', wl, k, rate, p, 'tpot_median_ms'):.2f} / "
+                         f"{mean_of(runs, 'grid', wl, k, rate, p, 'tpot_p99_ms'):.2f}" for p in pols]
+                cv = " / ".join(f"{mean_of(runs, 'grid', wl, k, rate, p, 'load_cv'):.3f}" for p in ("eldr", CANDIDATE))
+                ux = " / ".join(f"{mean_of(runs, 'grid', wl, k, rate, p, 'unique_experts_per_step'):.1f}"
+                                for p in ("round_robin", "eldr", CANDIDATE))
+                L.append(f"| {wl} | {k} | {rate:g} | " + " | ".join(cells) + f" | {cv} | {ux} |")
+    L += ["", f"## Goodput: highest req/s with P99 TPOT within the target ({g['goodput_k']} decode servers, "
+          "24 prefill), mean ± sd over seeds", "",
+          "| workload | target | " + " | ".join(GOODPUT_POLICIES) + " |", "|---|---|" + "---|" * len(GOODPUT_POLICIES)]
+    for wl in g["workloads"]:
+        for t in sweeps.FULL.goodput_targets_ms:
+            gp = goodputs(runs, wl, g["goodput_k"], t)
+            L.append(f"| {wl} | {t:g} ms | " + " | ".join(
+                f"{np.mean(list(gp[p].values())):.0f} ± {np.std(list(gp[p].values()), ddof=1) if len(gp[p]) > 1 else 0:.0f}"
+                for p in GOODPUT_POLICIES) + " |")
+    L += ["", f"## Mix shift: calibrated on the calibration mix, served one where the most frequent label is "
+          f"{SHIFT_WEIGHT:g}x as likely as each other label ({g['shift_k']} decode servers, no refit)", "",
+          "| workload | req/s | policy | median TPOT | P99 TPOT | load CV | max/mean load | distinct experts | fewer than rr |",
+          "|---|---|---|---|---|---|---|---|---|"]
+    for wl in g["workloads"]:
+        for rate in g["shift_rates"]:
+            rr = mean_of(runs, "shift", wl, g["shift_k"], rate, "round_robin", "unique_experts_per_step")
+            for p in SHIFT_POLICIES:
+                f_ = lambda m: mean_of(runs, "shift", wl, g["shift_k"], rate, p, m)  # noqa: E731
+                L.append(f"| {wl} | {rate:g} | {p} | {f_('tpot_median_ms'):.2f} | {f_('tpot_p99_ms'):.2f} | "
+                         f"{f_('load_cv'):.3f} | {f_('load_max_over_mean'):.2f} | {f_('unique_experts_per_step'):.1f} | "
+                         f"{100 * (rr - f_('unique_experts_per_step')) / rr:.1f}% |")
+    return "\n".join(L) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    g = dict(QUICK if args.quick else FULL)
+    out_dir = args.out_dir or (HERE.parent / ".cache" / "bench_default_policy" if args.quick else HERE / "results")
+    json_path, md_path = out_dir / "default_policy.json", out_dir / "default_policy.md"
+    wls = list(sweeps.WORKLOADS)
+    g["workloads"] = wls
+    if args.render_only:
+        doc = json.loads(json_path.read_text())
+        md_path.write_text(render(doc))
+        print(md_path)
+        return 0
+    a = grid_bench.parse_args(["--quick"] if args.quick else [])
+    STATE["args"] = a
+    STATE["data"] = {wl: sweeps.load_workload(wl, a.traces_root, a.work_dir, sweeps.FULL, 600.0, 300.0) for wl in wls}
+    tasks = configs(a, g, wls)
+    saved = {} if args.quick else {key(r): r for r in reference_runs(g, wls)}
+    reuse = check_reuse(tasks, saved, args.jobs) if saved else []
+    stale = {(c["key"][0], c["key"][5]) for c in reuse if not c["same"]}
+    if stale:  # a policy's saved runs are kept only where every probe of it reproduced
+        print(f"saved runs that do not reproduce, simulated again: {sorted(stale)}", file=sys.stderr)
+        saved = {k: r for k, r in saved.items() if (k[0], k[5]) not in stale}
+    todo = [t for t in tasks if (t[0], t[1], t[3].num_decode, t[3].rate, t[3].seed, t[2]) not in saved]
+    runs = list(saved.values()) + sweeps.pool_map(run_task, todo, args.jobs, "simulate")
+    doc = {"simulated": True, "command": "python benchmark/bench_default_policy.py" + (" --quick" if args.quick else ""),
+           "grid": g, "reuse_check": reuse, "runs": runs, "decision": decide(runs, g, wls)}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(doc, indent=1, default=float) + "\n")
+    md_path.write_text(render(doc))
+    print(md_path)
+    print("default:", doc["decision"]["default"], "failed:", [(c["rule"], c["where"], c["note"]) for c in doc["decision"]["failed"]])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""ELDR balanced: locality only while it is cheaper than imbalance (the router's default).
+
+Filter -> score -> pick:
+
+1. **filter** (optional bounded load, as in consistent hashing with bounded loads): with
+   ``load_cap = c``, a server may take the request only while its in-flight count is
+   below ``ceil(c * (in-flight over the candidates + 1) / candidates)``;
+2. **score**: the state-aware marginal cost (:mod:`.state_aware`): how much the total
+   token time of a server's batch grows if the request joins it, from the live batch's
+   expected distinct experts and the step-time law ``base + per_seq B + per_expert U``
+   (per_seq includes the KV read of an average sequence). Balance and locality are
+   priced in one unit, seconds;
+3. **pick**: among the candidates whose cost is within ``cost_band`` (relative) of the
+   cheapest, the one whose calibration region (centroids it owns, as in ``eldr``) is most
+   similar to the request's signature. While servers cost about the same, requests stick
+   to their regions, so batches stay grouped as they turn over; once a region's servers
+   get busier than ``cost_band`` buys, requests go elsewhere, so a calibration-time mix
+   that differs from the live one cannot pile requests on one server. Without an
+   artifact or a signature: the cheapest candidate.
+
+``cost_band = 0`` is the plain state-aware cost with similarity tie-breaks. The paper's
+band rule (similarity band, least loaded) stays available as ``eldr``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+from eldr_sglang.core.policies.base import Decision, PolicySpec, _candidates, register_policy
+from eldr_sglang.core.policies.eldr import CentroidOwnership
+from eldr_sglang.core.policies.state_aware import StateAwarePolicy, StepCost
+
+DEFAULT_COST_BAND = 0.02
+# StepCost() plus the KV read of a 750-token sequence (600 prompt + half of 300 output tokens)
+# at Qwen3-30B-A3B's 98,304 KV bytes per token on one MI300X (sim.cost_model.step_cost with
+# context_tokens=750; a test keeps them equal)
+BALANCED_COST = StepCost(per_seq_s=3.5948e-05)
+
+
+class EldrBalancedPolicy(StateAwarePolicy):
+    """Cheapest-cost band, then the most similar region (see the module docstring)."""
+
+    name = "eldr_balanced"
+
+    def __init__(self, num_servers: int, dim: Optional[int] = None, cost: StepCost = BALANCED_COST,
+                 centroids: Optional[np.ndarray] = None, cost_band: float = DEFAULT_COST_BAND,
+                 load_cap: Optional[float] = None) -> None:
+        if not cost_band >= 0.0:
+            raise ValueError(f"cost_band must be >= 0, got {cost_band}")
+        if load_cap is not None and not load_cap >= 1.0:
+            raise ValueError(f"load_cap must be >= 1 (or None: no cap), got {load_cap}")
+        super().__init__(num_servers, dim, cost)
+        self.cost_band = float(cost_band)
+        self.load_cap = None if load_cap is None else float(load_cap)
+        self.ownership = None if centroids is None else CentroidOwnership(centroids, num_servers)
+        self.centroids = None if self.ownership is None else self.ownership.centroids
+
+    def add_server(self) -> None:
+        super().add_server()
+        if self.ownership is not None:
+            self.ownership.add()
+
+    def remove_server(self, index: int) -> None:
+        super().remove_server(index)
+        if self.ownership is not None:
+            self.ownership.remove(index)
+
+    def _capped(self, cand: list[int], loads) -> list[int]:
+        """Filter step: the candidates below their bounded-load capacity (all if none is)."""
+        if self.load_cap is None or len(cand) < 2:
+            return cand
+        cap = math.ceil(self.load_cap * (sum(loads[i] for i in cand) + 1) / len(cand))
+        return [i for i in cand if loads[i] < cap] or cand
+
+    def explain(self, request, loads, allowed=None) -> Decision:
+        n = len(loads)
+        if n != len(self.servers):
+            raise ValueError(f"{n} loads for {len(self.servers)} servers")
+        cand = self._capped(_candidates(n, allowed).tolist(), loads)
+        costs = self._costs(request, loads)
+        cheapest = min(cand, key=costs.__getitem__)
+        if self.ownership is None or request.signature is None:
+            return Decision(cheapest, self.name, "cost" if request.activation is not None else "no_activation",
+                            band=(cheapest,), server_similarities=-np.asarray(costs))
+        sig = np.asarray(request.signature, dtype=np.float32).reshape(-1)
+        if sig.shape[0] != self.centroids.shape[1]:
+            raise ValueError(f"signature has {sig.shape[0]} dims, centroids have {self.centroids.shape[1]}")
+        csims = self.centroids @ sig
+        sims = self.ownership.gather(csims).tolist()
+        limit = costs[cheapest] * (1.0 + self.cost_band)
+        band = [i for i in cand if costs[i] <= limit]
+        idx = max(band, key=lambda i: (sims[i], -costs[i]))
+        return Decision(idx, self.name, "cost_band", tuple(band), float(sims[idx]),
+                        np.asarray(sims), csims)
+
+    def describe(self) -> dict:
+        out = super().describe()
+        out.update(policy=self.name, cost_band=self.cost_band, load_cap=self.load_cap,
+                   ownership=None if self.ownership is None else self.ownership.as_lists())
+        return out
+
+
+register_policy(PolicySpec(
+    "eldr_balanced", lambda ctx: EldrBalancedPolicy(ctx.num_servers, centroids=ctx.centroids),
+    aliases=("balanced",), rebuild_on_reload=True,
+    summary="least decode-time cost; within 2% of it, the most similar calibration region (default)"))
