@@ -1,15 +1,19 @@
-"""What the engine plugin adds to a prefill, measured two ways.
+"""What the engine plugin adds, measured three ways, and what it holds in memory.
 
-* micro (default): the capture work itself on this machine's CPU, for one
-  prefill batch of T tokens: writing the top-k ids of the selected layers into
-  the KV-slot table (once per layer) and counting them for the signature
-  (once per request), against the MoE layer's own top-k selection
-  (softmax + topk over the gate logits) as a yardstick;
+* forward (default): the plugin's whole per-forward path as SGLang runs it,
+  eager on this machine's CPU (the staging write in every MoE layer's
+  ``select_experts`` hook, then the after-forward scatter to KV slots and the
+  decode statistics), against the same forward with the plugin off; the
+  forward stand-in is each MoE layer's own top-k selection (softmax + topk over
+  the gate logits), at Qwen3-30B-A3B shapes;
+* micro: the table write and the signature count alone, for one prefill batch;
 * --servers: two real SGLang CPU servers side by side, one stock, one with
   ``--eldr-layers all --eldr-metrics-port``: median latency of the same
-  prompts (max_new_tokens=1, alternated between the two), and the ratio.
+  prompts (max_new_tokens=1, alternated between the two), and the ratio;
+* --memory: the KV-slot table and the staging buffer per GPU for the shipped
+  deploy presets (eldr_sglang/deploy/presets), with the assumptions printed.
 
-    python benchmark/bench_engine_overhead.py [--servers]
+    python benchmark/bench_engine_overhead.py [--servers] [--memory]
 """
 
 from __future__ import annotations
@@ -46,6 +50,86 @@ def micro(tokens: int, layers: int, n_sel: int, experts: int, top_k: int) -> Non
           f"-> capture = {100 * (write + count) / gate:5.1f}% of top-k selection alone")
 
 
+def forward_overhead(phase: str, rows: int, layers: int = 48, experts: int = 128, top_k: int = 8,
+                     repeat: int = 30) -> None:
+    """Per-forward host time with the plugin's hooks vs without (both eager)."""
+    from types import SimpleNamespace
+
+    from eldr_sglang.patches import capture, state as engine
+    from eldr_sglang.patches.flags import EngineConfig
+
+    config = EngineConfig(layers=(9, 19, 28, 38)) if phase == "extend" else EngineConfig(metrics_port=1)
+    hf = SimpleNamespace(num_hidden_layers=layers, num_experts=experts, num_experts_per_tok=top_k)
+    runner = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf, model_path="qwen3-30b-a3b"), device="cpu",
+                             token_to_kv_pool=SimpleNamespace(size=200_000, page_size=1),
+                             req_to_token_pool=SimpleNamespace(size=256), is_draft_worker=False,
+                             server_args=SimpleNamespace(chunked_prefill_size=8192, enable_two_batch_overlap=False),
+                             max_running_requests=256)
+    state = engine.CaptureState(config)
+    engine.initialise(state, runner)
+    logits = torch.randn(rows, experts)
+    mode = SimpleNamespace(is_extend=lambda: phase == "extend", is_decode=lambda: phase == "decode")
+    fb = SimpleNamespace(forward_mode=mode, out_cache_loc=torch.randperm(200_000)[:rows], batch_size=rows,
+                         req_pool_indices=torch.arange(rows), global_num_tokens_cpu=None)
+    cfg = SimpleNamespace(allow_routed_experts_capture=True)
+
+    def model(hooked: bool):
+        for layer in range(layers):
+            weights, ids = torch.softmax(logits, -1).topk(top_k, -1)
+            if hooked:
+                capture.select_experts_after(SimpleNamespace(topk_ids=ids.to(torch.int32)), layer_id=layer,
+                                             topk_config=cfg)
+        return SimpleNamespace(can_run_graph=False)
+
+    def on():
+        engine.STATE = state
+        capture.forward_around(lambda r, b: model(True), runner, fb)
+
+    def off():
+        engine.STATE = None
+        model(False)
+
+    t_off, t_on = timeit(off, repeat), timeit(on, repeat)
+    engine.STATE = None
+    assert not state.failed, state.failed
+    print(f"{phase:6s} {rows:5d} rows, {layers} layers, E={experts}, top-{top_k} (staged layers "
+          f"{len(state.stage.layers)}): forward stand-in {t_off * 1e3:8.3f} ms off, {t_on * 1e3:8.3f} ms with "
+          f"the capture -> +{(t_on - t_off) * 1e6:7.1f} us per forward "
+          f"({100 * (t_on - t_off) / t_off:4.1f}% of the {layers} gates' top-k)")
+
+
+MODELS = {  # layers, experts, top-k, KV heads x head dim, bf16 weight bytes
+    "Qwen3-30B-A3B": (48, 128, 8, 4 * 128, 30.5e9 * 2),
+    "Qwen3-235B-A22B": (94, 128, 8, 4 * 128, 235e9 * 2),
+}
+
+
+def memory(gpu_bytes: float = 192e9, mem_fraction: float = 0.88, chunk: int = 16384, running: int = 1024) -> None:
+    """Table + staging per GPU for each preset (prefill: published layers on every
+    DP leader; decode: decode statistics, every layer staged, on TP rank 0 only)."""
+    from eldr_sglang.deploy.presets import load_description, preset_names
+
+    print(f"assumed: {gpu_bytes / 1e9:.0f} GB per GPU (MI300X), --mem-fraction-static {mem_fraction}, "
+          f"chunked_prefill_size {chunk}, max_running_requests {running}, 4 published layers, uint8 ids, "
+          "attention DP = TP (late binding), KV pool = what the weights leave")
+    for name in preset_names():
+        d = load_description(preset=name)
+        model = Path(d["model_path"]).name
+        n_layers, _, top_k, kv_width, weights = MODELS[model]
+        for role in ("prefill", "decode"):
+            tp = int(d[role].get("tp_size", 1))
+            kv_per_token = n_layers * 2 * kv_width * 2  # attention TP 1: every KV head on each GPU
+            slots = int((gpu_bytes * mem_fraction - weights / tp) / kv_per_token)
+            # staging_rows: times the attention-DP ranks gathered; a decode server: running requests only
+            rows = (max(chunk, running) if role == "prefill" else running) * tp
+            if role == "prefill":
+                table, staged = slots * 4 * top_k, rows * 4 * top_k
+            else:
+                table, staged = 0, rows * n_layers * top_k
+            print(f"{name:36s} {role:7s} TP{tp}: {slots / 1e3:7.0f}k KV slots/GPU, table {table / 2**20:6.1f} MiB, "
+                  f"staging {staged / 2**20:6.1f} MiB per GPU")
+
+
 def servers(model: str, prompts: int) -> None:
     """Both servers up at once, requests alternated, so drift hits both alike."""
     from eldr_sglang.testing import local_cluster as lc
@@ -77,10 +161,16 @@ def servers(model: str, prompts: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--servers", action="store_true", help="also measure real SGLang CPU servers")
+    p.add_argument("--memory", action="store_true", help="only the memory per preset")
     p.add_argument("--model", default=".cache/models/tiny-qwen3-moe")
     p.add_argument("--prompts", type=int, default=30)
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.memory:
+        memory()
+        return
+    for phase, rows in (("extend", 2048), ("extend", 8192), ("decode", 64), ("decode", 256)):
+        forward_overhead(phase, rows)
     for tokens in (128, 2048, 8192):
         micro(tokens, 48, 4, 128, 8)  # Qwen3-30B-A3B shapes, 4 selected layers
     micro(2048, 48, 48, 128, 8)  # trace mode: every layer

@@ -123,13 +123,16 @@ def leads_its_requests() -> bool:
 
 def staging_rows(model_runner) -> int:
     """Rows one forward can hand the MoE layers: the larger of a prefill chunk and
-    the running requests, times the attention-DP ranks gathered (SGLang's own
-    routed-experts capturer sizes its device buffer the same way)."""
+    the running requests (the running requests alone on a PD decode server), times
+    the attention-DP ranks gathered (SGLang's own routed-experts capturer sizes its
+    device buffer the same way)."""
     args = getattr(model_runner, "server_args", None)
     chunk = int(getattr(args, "chunked_prefill_size", 0) or 0)
     if chunk <= 0:  # chunked prefill off: one prefill takes up to max_prefill_tokens
         chunk = int(getattr(args, "max_prefill_tokens", 0) or 16384)
     running = int(getattr(model_runner, "max_running_requests", 0) or 0)
+    if str(getattr(args, "disaggregation_mode", "null")) == "decode" and running > 0:
+        chunk = 0  # a PD decode server runs decode batches only (more rows: skipped, logged once)
     dp = 1
     try:
         from sglang.srt.runtime_context import get_parallel

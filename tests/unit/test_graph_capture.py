@@ -485,3 +485,9 @@ def test_top_k_formats_that_bypass_select_experts_keep_the_graphs_on(caplog):
     with caplog.at_level(logging.INFO, logger="eldr_sglang"):
         assert graph_safe_argv(_flags("--eldr-metrics-port", "9100"), argv, gpu=True) == argv
     assert "routes without select_experts" in caplog.text
+
+
+def test_a_pd_decode_server_stages_its_running_requests_only():
+    runner = _runner(disaggregation_mode="decode")
+    assert engine.staging_rows(runner) == 16  # max_running_requests, not the 64-token prefill chunk
+    assert engine.staging_rows(_runner()) == 64
