@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seeds", type=int, default=None)
     ap.add_argument("--late-wait", type=float, default=0.02, help="late binding's signature wait (s)")
     ap.add_argument("--no-sim", action="store_true", help="accuracy and cost only")
+    ap.add_argument("--render-only", action="store_true", help="recompute the summary and markdown from the JSON")
     ap.add_argument("--out-dir", type=Path, default=None)
     return ap
 
@@ -296,6 +297,7 @@ def simulate_workload(root: Path, workload: str, work: Path, grid: dict, policie
     return rows
 
 
+MIN_GAIN_MS = 0.1  # a P99 "gain" smaller than this is noise: no share of it is reported
 METRICS = ("tpot_median_ms", "tpot_p99_ms", "ttft_median_ms", "ttft_p99_ms", "unique_experts_per_step",
            "prefill_kv_held_tokens", "load_cv")
 
@@ -326,9 +328,14 @@ def summarise(rows: list[dict], policies: list[str]) -> dict:
                                    "sd": float(np.std(ok, ddof=1)) if len(ok) > 1 else None}
                 bal, late, early = runs[f"{best}/early"], runs[f"{p}/late"], runs[f"{p}/early_predicted"]
                 gain_med = bal["tpot_median_ms"][0] - late["tpot_median_ms"][0]
+                gain_p99 = bal["tpot_p99_ms"][0] - late["tpot_p99_ms"][0]
                 point["policies"][p] = {
                     "kept_share_of_mean_gain_median_tpot": (bal["tpot_median_ms"][0] - early["tpot_median_ms"][0])
                     / gain_med if gain_med > 0 else None,
+                    # None where late binding has no P99 gain to keep (<= MIN_GAIN_MS over the best balancer)
+                    "kept_share_of_mean_gain_p99_tpot": (bal["tpot_p99_ms"][0] - early["tpot_p99_ms"][0])
+                    / gain_p99 if gain_p99 > MIN_GAIN_MS else None,
+                    "late_gain_ms": {"median": gain_med, "p99": gain_p99},
                     "kept_share_per_seed": per_seed,
                     "ttft_saved_median_ms": late["ttft_median_ms"][0] - early["ttft_median_ms"][0],
                     "ttft_saved_p99_ms": late["ttft_p99_ms"][0] - early["ttft_p99_ms"][0],
@@ -385,17 +392,20 @@ def render(doc: dict) -> str:
         L += ["", "Share of late binding's median-TPOT gain over the best balancer that early binding with "
               "predicted signatures keeps (SIMULATED; of the seed means, and mean ± sd of per-seed shares), and "
               "what early binding saves:", "",
-              "| workload | req/s | policy | best balancer | kept (seed means) | kept per seed | kept, P99 TPOT | "
-              "TTFT p50 saved ms | TTFT p99 saved ms | prompt tokens held saved |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "| workload | req/s | policy | best balancer | late's median gain ms | kept (seed means) | kept per seed | "
+              "late's P99 gain ms | kept, P99 (seed means) | TTFT p50 saved ms | TTFT p99 saved ms | "
+              "prompt tokens held saved |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for key, point in doc["simulation"].items():
             wl, rate = key.split("@")
             for p, s in point["policies"].items():
                 k = s["kept_share_of_mean_gain_median_tpot"]
-                ps, pp = s["kept_share_per_seed"]["tpot_median_ms"], s["kept_share_per_seed"]["tpot_p99_ms"]
+                ps, k99, g = s["kept_share_per_seed"]["tpot_median_ms"], s["kept_share_of_mean_gain_p99_tpot"], \
+                    s["late_gain_ms"]
                 fmt = lambda d: "n/a" if d["mean"] is None else (  # noqa: E731
                     f"{100 * d['mean']:.0f}%" + ("" if d["sd"] is None else f" ± {100 * d['sd']:.0f}%"))
-                L.append(f"| {wl} | {rate} | {p} | {point['best_balancer']} | "
-                         f"{'n/a' if k is None else format(100 * k, '.0f') + '%'} | {fmt(ps)} | {fmt(pp)} | "
+                pct = lambda v, why="n/a": why if v is None else format(100 * v, ".0f") + "%"  # noqa: E731
+                L.append(f"| {wl} | {rate} | {p} | {point['best_balancer']} | {g['median']:.2f} | {pct(k)} | "
+                         f"{fmt(ps)} | {g['p99']:.2f} | {pct(k99, 'n/a (no late P99 gain)')} | "
                          f"{s['ttft_saved_median_ms']:.1f} | {s['ttft_saved_p99_ms']:.1f} | "
                          f"{s['kv_held_saved_tokens']:.0f} |")
     return "\n".join(L) + "\n"
@@ -412,6 +422,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     policies = [p.strip() for p in a.policies.split(",")] if a.policies else default_policies()
     work = ROOT / ".cache" / "bench_predicted_signatures"
     out_dir = a.out_dir or (work / "quick" if a.quick else HERE / "results")
+    if a.render_only:
+        path = out_dir / "predicted_signatures.json"
+        doc = json.loads(path.read_text())
+        if doc.get("runs"):
+            doc["simulation"] = summarise(doc["runs"], doc["policies"])
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        (out_dir / "predicted_signatures.md").write_text(render(doc))
+        print(render(doc))
+        return 0
     sweep = sweeps.QUICK if a.quick else sweeps.FULL
     sweep = replace(sweep, calib_pairs=grid["pairs"])
     t0 = time.time()
