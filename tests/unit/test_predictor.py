@@ -128,3 +128,50 @@ def test_version_1_artifact_still_loads(tmp_path):
     np.testing.assert_array_equal(back.centroids, art.centroids)
     with pytest.raises(ValueError, match="needs format_version >= 2"):
         _artifact(SignaturePredictor().fit(*planted(n=30)[1:]), format_version=1)
+
+
+def _calib_inputs(tmp_path, n=300):
+    from eldr_sglang.core import TraceSet, write_traces
+
+    rng = np.random.default_rng(5)
+    table = np.zeros((V, 4, E))
+    for t in range(V):
+        for layer in range(4):
+            table[t, layer, rng.choice(E, K, replace=False)] = 1.0
+    prompts = [rng.integers(0, V, rng.integers(10, 40)) for _ in range(n)]
+    counts = np.stack([table[p].sum(axis=0) for p in prompts]).astype(np.int32)
+    ids = np.array([f"r{i}" for i in range(n)])
+    traces = TraceSet(model=MODEL, request_ids=ids, prefill_counts=counts, decode_counts=counts,
+                      prompt_tokens=np.array([len(p) for p in prompts]), output_tokens=np.full(n, 8),
+                      labels={"domain": np.array(["a", "b"] * (n // 2))})
+    write_traces(traces, tmp_path / "traces")
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text("".join(json.dumps({"id": f"r{i}", "input_ids": p.tolist()}) + "\n"
+                             for i, p in enumerate(prompts)))
+    return table, jsonl
+
+
+def test_calibrate_fits_and_saves_the_predictor(tmp_path):
+    from eldr_sglang import calibrate
+
+    table, jsonl = _calib_inputs(tmp_path)
+    out = tmp_path / "artifact.json"
+    rc = calibrate.main(["--traces", str(tmp_path / "traces"), "--clusters", "3", "--out", str(out),
+                         "--layers", "2,0", "--pairs", "500", "--n-init", "1", "--predictor-prompts", str(jsonl),
+                         "--predictor-alpha", "0.001"])
+    assert rc == 0
+    art = load_artifact(out)
+    assert art.predictor is not None and art.extra["predictor"]["requests"] == 300
+    probe = [4, 4, 17, 60]
+    np.testing.assert_allclose(art.predicted_counts(probe), table[probe][:, [2, 0]].sum(axis=0), atol=0.3)
+
+
+def test_calibrate_refuses_prompts_that_join_no_trace(tmp_path, capsys):
+    from eldr_sglang import calibrate
+
+    _, jsonl = _calib_inputs(tmp_path)
+    jsonl.write_text(json.dumps({"id": "elsewhere", "input_ids": [1, 2]}) + "\n")
+    with pytest.raises(SystemExit) as exc:
+        calibrate.main(["--traces", str(tmp_path / "traces"), "--clusters", "3", "--out", str(tmp_path / "a.json"),
+                        "--layers", "0", "--pairs", "500", "--n-init", "1", "--predictor-prompts", str(jsonl)])
+    assert exc.value.code == 2 and "joined by request id" in capsys.readouterr().err
