@@ -3,10 +3,13 @@
 aiohttp waits for a request's headers forever: a client that connects and sends
 nothing, or half its headers, holds a connection (a file descriptor) for good.
 :class:`HeaderTimeout` wraps each connection's protocol and closes it when no
-complete request head arrived within ``timeout`` seconds of the connection opening
-or of the first byte of its next request (an idle keep-alive connection is left to
-aiohttp's keep-alive limit). The router's middleware tells it when a request starts
-and ends (:meth:`ClientGuards.started` / :meth:`ClientGuards.ended`).
+complete request head (up to the blank line) arrived within ``timeout`` seconds of
+the connection opening or of the first byte of its next request (an idle keep-alive
+connection is left to aiohttp's keep-alive limit). The bytes are looked at as they
+arrive, before the router's busy event loop gets to the request, so a router behind
+on its work never closes a client that sent its head in time. The router's middleware
+tells it when a request starts and ends (:meth:`ClientGuards.started` /
+:meth:`ClientGuards.ended`): the body is the body limit's business.
 
 :class:`GuardedSite` is aiohttp's TCP site with these protocols and a listen backlog
 deep enough for a burst of connections (aiohttp's default is 128).
@@ -32,6 +35,8 @@ class HeaderTimeout(asyncio.Protocol):
         self.transport: Optional[asyncio.Transport] = None
         self.timer: Optional[asyncio.TimerHandle] = None
         self.busy = 0  # requests of this connection being handled
+        self.head_seen = False  # the current request's head arrived whole
+        self._tail = b""  # the last bytes of the head so far (a blank line split in two)
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -40,8 +45,15 @@ class HeaderTimeout(asyncio.Protocol):
         self._arm()
 
     def data_received(self, data: bytes) -> None:
-        if not self.busy and self.timer is None:
-            self._arm()  # the first byte of the next request
+        if not self.head_seen:
+            if not self.busy and self.timer is None:
+                self._arm()  # the first byte of the next request
+            window = self._tail + data
+            if b"\r\n\r\n" in window:
+                self.head_seen, self._tail = True, b""
+                self._disarm()
+            else:
+                self._tail = window[-3:]
         self.inner.data_received(data)
 
     def eof_received(self) -> Optional[bool]:
@@ -70,7 +82,8 @@ class HeaderTimeout(asyncio.Protocol):
 
     def _expired(self) -> None:
         self.timer = None
-        if not self.busy and self.transport is not None and not self.transport.is_closing():
+        if (not self.busy and not self.head_seen and self.transport is not None
+                and not self.transport.is_closing()):
             self.guards.closed += 1
             if self.guards.on_close is not None:
                 self.guards.on_close()
@@ -99,6 +112,8 @@ class ClientGuards:
         guard = self.live.get(request.transport)
         if guard is not None:
             guard.busy = max(0, guard.busy - 1)
+            if not guard.busy:
+                guard.head_seen = False
 
 
 class GuardedSite(web.BaseSite):

@@ -12,11 +12,14 @@ Time limits, per client and per request: ``timeout`` (the whole answer),
 ``idle_timeout`` (each wait for more body bytes: a stream that stalls). Idle
 connections are closed by a timer once idle for ``keepalive`` seconds.
 
-Connections per worker are capped (``max_per_worker``): above it a request waits in
-a FIFO queue for a connection to come free (handed over directly) or to close, so
-a burst queues in the router instead of flooding the worker's listen queue; a
-request that waits past its deadline fails with :class:`Saturated`, the router's
-own limit, never the worker's fault.
+Connections per worker are capped (``max_per_worker``, and ``CONNECTS_PER_WORKER``
+attempts in flight): above it a request waits in a FIFO queue for a connection to
+come free (handed over directly) or to close, so a burst queues in the router
+instead of flooding the worker's listen queue; a request that waits past its
+deadline fails with :class:`Saturated`, the router's own limit, never the worker's
+fault. So does a connect whose time limit ran out only because the router's event
+loop was too busy to see the answer in time (its timer fired late by more than half
+the limit).
 
 Errors say whether the worker can have seen the request:
 :class:`ConnectError` (never connected: safe to send elsewhere),
@@ -270,6 +273,7 @@ class UpstreamResponse:
 
 
 _PERMIT = object()  # a waiter may open a new connection (its slot is counted already)
+CONNECTS_PER_WORKER = 64  # connection attempts in flight to one worker at once
 
 
 class UpstreamClient:
@@ -295,6 +299,7 @@ class UpstreamClient:
         self._idle: dict[tuple, list[_Conn]] = {}  # oldest first
         self._live: set[_Conn] = set()
         self._count: dict[tuple, int] = {}  # connections per worker: open, in use or connecting
+        self._connecting: dict[tuple, int] = {}  # connection attempts in flight per worker
         self._waiting: dict[tuple, collections.deque[asyncio.Future]] = {}
         self.queued = 0  # requests that waited for a connection
         self._sweeper: Optional[asyncio.TimerHandle] = None
@@ -352,14 +357,28 @@ class UpstreamClient:
         self._count[key] = self._count.get(key, 1) - 1
         self._wake(key)
 
+    def _may_open(self, key: tuple) -> bool:
+        return ((self.max_per_worker is None or self._count.get(key, 0) < self.max_per_worker)
+                and self._connecting.get(key, 0) < CONNECTS_PER_WORKER)
+
+    def _permit(self, key: tuple) -> object:
+        self._count[key] = self._count.get(key, 0) + 1
+        self._connecting[key] = self._connecting.get(key, 0) + 1
+        return _PERMIT
+
+    def _unpermit(self, key: tuple, connected: bool) -> None:
+        """A permit's attempt ended (``connected``: the connection now holds the slot)."""
+        self._connecting[key] = self._connecting.get(key, 1) - 1
+        if not connected:
+            self._count[key] = self._count.get(key, 1) - 1
+        self._wake(key)
+
     def _wake(self, key: tuple) -> None:
         queue = self._waiting.get(key)
-        while queue:
+        while queue and self._may_open(key):
             fut = queue.popleft()
             if not fut.done():
-                self._count[key] = self._count.get(key, 0) + 1
-                fut.set_result(_PERMIT)
-                return
+                fut.set_result(self._permit(key))
 
     def _get(self, key: tuple) -> Optional[_Conn]:
         pool = self._idle.get(key)
@@ -376,17 +395,12 @@ class UpstreamClient:
         conn = self._get(key)
         if conn is not None:
             return conn
-        n = self._count.get(key, 0)
-        if self.max_per_worker is None or n < self.max_per_worker:
-            self._count[key] = n + 1
-            return _PERMIT
-        return None
+        return self._permit(key) if self._may_open(key) else None
 
     def _give_back(self, key: tuple, got: object) -> None:
         """Return what a waiter got but will not use."""
         if got is _PERMIT:
-            self._count[key] = self._count.get(key, 1) - 1
-            self._wake(key)
+            self._unpermit(key, connected=False)
         elif isinstance(got, _Conn) and not got.closed:
             self._put(key, got)
 
@@ -416,10 +430,12 @@ class UpstreamClient:
                         queue.remove(fut)
             if got is _PERMIT:
                 try:
-                    return await self._connect(key, host, port, secure)
+                    conn = await self._connect(key, host, port, secure)
                 except BaseException:
-                    self._give_back(key, _PERMIT)
+                    self._unpermit(key, connected=False)
                     raise
+                self._unpermit(key, connected=True)
+                return conn
             conn = got
             if not conn.closed and not conn.transport.is_closing():
                 return conn
@@ -447,12 +463,18 @@ class UpstreamClient:
         if secure and self._ssl is None:
             self._ssl = ssl.create_default_context()
         on_closed = lambda conn: self._closed(key, conn)  # noqa: E731
+        start = loop.time()
         try:
             async with asyncio.timeout(self.connect_timeout):
                 _, conn = await loop.create_connection(
                     lambda: _Conn(self._live, on_closed), host, port,
                     ssl=self._ssl if secure else None)
         except TimeoutError:
+            late = loop.time() - start - self.connect_timeout
+            if late > self.connect_timeout / 2:  # the loop was busy: the router's own fault
+                raise Saturated(f"connect to {host}:{port}: the router's event loop was "
+                                f"{late:.1f} s late", "the router is overloaded (not the "
+                                "worker's fault)") from None
             raise ConnectError(f"connect to {host}:{port} timed out",
                                "connection to the worker timed out") from None
         except OSError as e:

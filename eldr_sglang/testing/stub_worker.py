@@ -29,7 +29,7 @@ included, stops answering), ``packed_counts=False`` / ``--list-counts``
 ``stream_chunks`` / ``stream_delay`` (slow SSE stream), ``kv`` (a :class:`KvHandoff`
 shared by in-process prefill and decode stubs: SGLang's PD dependency, see there),
 ``api_key`` (like SGLang's ``--api-key``: 401 without ``Authorization: Bearer KEY``,
-``/health`` excepted), ``backlog`` (listen queue). It records every request body
+``/health`` excepted), ``backlog`` (listen queue, 2048 as SGLang's uvicorn). It records every request body
 (``requests``) and its headers (``headers``), the most requests answered at once
 (``max_active``), every aborted rid (``aborts``) and signature post (``signatures``).
 
@@ -187,7 +187,7 @@ class StubWorker:
         signature_on_failure: bool = True,
         fail_after_kv: float = 0.0,
         api_key: Optional[str] = None,
-        backlog: int = 128,
+        backlog: int = 2048,
     ) -> None:
         assert role in ("prefill", "decode")
         self.role, self.name = role, name or role
@@ -212,7 +212,7 @@ class StubWorker:
         self.active = 0  # generate requests being answered (reported on /v1/loads)
         self.max_active = 0  # the most answered at once
         self.api_key = api_key  # like SGLang's --api-key: Bearer needed except on /health
-        self.backlog = backlog  # listen backlog (aiohttp's default 128; SGLang's uvicorn 2048)
+        self.backlog = backlog  # listen backlog: SGLang's uvicorn default (aiohttp's is 128)
         self.headers: list[dict] = []  # headers of every generate request (names lower-case)
         self._thawed = asyncio.Event()
         self._thawed.set()
@@ -509,7 +509,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--num-experts", type=int, default=8)
     p.add_argument("--stream-chunks", type=int, default=3)
     p.add_argument("--stream-delay", type=float, default=0.0)
-    p.add_argument("--backlog", type=int, default=128, help="listen backlog")
+    p.add_argument("--backlog", type=int, default=2048,
+                   help="listen backlog (default: SGLang's uvicorn's; aiohttp's own is 128)")
     a = p.parse_args(argv)
     w = StubWorker(a.role, name=a.name, latency=a.latency, fail_rate=a.fail_rate,
                    fail_status=a.fail_status, fail_first=a.fail_first,
