@@ -67,3 +67,17 @@ def test_bad_flags_name_the_flag(argv, flag, capsys):
         report.main(argv)
     assert exc.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def test_default_policy_benchmark_quick_applies_every_rule(tmp_path):
+    """bench_default_policy --quick: every rule of the decision rule is checked on real
+    simulated runs, and a planted regression (a candidate slower than round robin) fails rule 1."""
+    bdp = load_script("benchmark/bench_default_policy.py", "eldr_bench_default_policy")
+    assert bdp.main(["--quick", "--out-dir", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "default_policy.json").read_text())
+    assert {c["rule"] for c in doc["decision"]["checks"]} == {1, 2, 3, 4, 5}
+    assert "## Verdict" in (tmp_path / "default_policy.md").read_text()
+    slow = [dict(r, tpot_median_ms=r["tpot_median_ms"] * 2) if r["policy"] == bdp.CANDIDATE else r
+            for r in doc["runs"]]
+    dec = bdp.decide(slow, doc["grid"], doc["grid"]["workloads"])
+    assert not dec["default"] and any(c["rule"] == 1 for c in dec["failed"])
