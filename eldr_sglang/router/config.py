@@ -189,7 +189,7 @@ class RouterConfig:
                     "max_batch", "max_body_mb", "workers", "retry_after")
         non_negative = ("signature_timeout_min", "signature_timeout_factor", "health_interval",
                         "health_cooldown", "load_interval", "max_inflight", "decisions_kept",
-                        "drain_timeout", "calibration_watch")
+                        "drain_timeout", "calibration_watch", "binding_margin")
         if not self.ab_slice > 0:
             raise ValueError(f"ab_slice: expected a number > 0, got {self.ab_slice!r}")
         if self.ab_policies is not None:

@@ -231,3 +231,12 @@ def test_pd_late_binding_is_unchanged():
             assert router.metrics.value("route_path", mode="early", path="early") == 0
             assert router.metrics.value("fallbacks", reason="timeout") == 1
     run(go())
+
+
+@pytest.mark.parametrize("kw,needle", [({"binding": "soon"}, "binding"), ({"binding_margin": -0.1}, "binding_margin"),
+                                       ({"mode": "mixed"}, "mode")])
+def test_binding_and_mode_settings_are_checked(kw, needle):
+    from eldr_sglang.router.config import RouterConfig
+
+    with pytest.raises(ValueError, match=needle):
+        RouterConfig(**kw)
