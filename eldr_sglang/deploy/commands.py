@@ -2,8 +2,9 @@
 
 Late binding (the ELDR router picks decode after prefill) needs, on every server,
 ``--disaggregation-decode-allocation-policy prefill_complete`` and the Mooncake
-backend (SGLang 0.5.23, ``arg_groups/pd_disaggregation_hook.py``). Decode order =
-calibration centroid order = placement file ``server-KK.json``.
+backend (SGLang 0.5.23, ``arg_groups/pd_disaggregation_hook.py``); every server runs
+with SGLang's ``--enable-metrics`` (TTFT and TPOT histograms on its HTTP ``/metrics``).
+Decode order = calibration centroid order = placement file ``server-KK.json``.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def build_launches(cluster: Cluster) -> list[Launch]:
             _claim(ports, node.host, port, f"{role.kind}.port", name)
             argv = [cluster.python, "-m", "sglang.launch_server", "--model-path", cluster.model_path,
                     "--host", "0.0.0.0", "--port", str(port), "--tp-size", str(role.tp_size),
-                    "--disaggregation-mode", role.kind, *pd]
+                    "--disaggregation-mode", role.kind, *pd, "--enable-metrics"]
             if role.ep_size > 1:
                 argv += ["--ep-size", str(role.ep_size)]
             if role.tp_size > 1:
@@ -113,15 +114,14 @@ def build_launches(cluster: Cluster) -> list[Launch]:
                 argv += ["--disaggregation-bootstrap-port", str(boot),
                          "--eldr-calibration", cluster.calibration, "--eldr-publish", publish]
                 prefill_targets.append((f"http://{node.host}:{port}", boot))
-            else:
-                if role.ep_size > 1:
-                    argv += ["--init-expert-location", str(PurePosixPath(role.placement_dir) / f"server-{i:02d}.json")]
-                    if role.num_redundant_experts:
-                        argv += ["--ep-num-redundant-experts", str(role.num_redundant_experts)]
-                if role.metrics_port is not None:
-                    metrics = role.metrics_port + slot
-                    _claim(ports, node.host, metrics, "decode.metrics_port", name)
-                    argv += ["--eldr-metrics-port", str(metrics)]
+            if role.kind == "decode" and role.ep_size > 1:
+                argv += ["--init-expert-location", str(PurePosixPath(role.placement_dir) / f"server-{i:02d}.json")]
+                if role.num_redundant_experts:
+                    argv += ["--ep-num-redundant-experts", str(role.num_redundant_experts)]
+            if role.metrics_port is not None:
+                metrics = role.metrics_port + slot
+                _claim(ports, node.host, metrics, f"{role.kind}.metrics_port", name)
+                argv += ["--eldr-metrics-port", str(metrics)]
             argv += role.extra_args
             env = ((VISIBLE_DEVICES[cluster.vendor], ",".join(map(str, gpus))), *role.env)
             launches.append(Launch(name, node_name, node.host, gpus, env, tuple(argv), port))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..core.artifact import CalibrationArtifact, load_artifact
 from ..placement.sglang_files import MANIFEST, SERVER_FILE, read_location_file
+from .models import target_model
 from .spec import Cluster, DescriptionError
 
 
@@ -17,14 +18,35 @@ def check_artifact(cluster: Cluster, path: str | None = None) -> tuple[Calibrati
         artifact = load_artifact(path or cluster.calibration)
     except ValueError as exc:
         raise DescriptionError(f"calibration: {exc}") from None
+    check_model(cluster, artifact)
     decode, notes = cluster.decode, []
-    if artifact.num_clusters != decode.count:
-        message = (f"calibration: the artifact has {artifact.num_clusters} centroids for {decode.count} decode "
-                   f"servers (calibrate with --clusters {decode.count})")
+    k, n = artifact.num_clusters, decode.count
+    if k != n:
+        message = (f"calibration: the artifact has {k} centroids for {n} decode servers (calibrate with "
+                   f"--clusters {n})")
         if decode.ep_size > 1:
             raise DescriptionError(message + "; per-server placement needs one centroid per decode server")
-        notes.append(message + "; the router shares centroids between servers")
+        if k == 1:
+            raise DescriptionError(message + "; one region for every server is no locality")
+        if k < n and n % k:
+            raise DescriptionError(message + f"; {n} servers do not split evenly over {k} regions (some regions "
+                                   f"would get {n // k + 1} servers, others {n // k}: unequal load by design)")
+        notes.append(message + (f"; each region is shared by {n // k} servers" if k < n
+                                else "; some servers own several centroids"))
     return artifact, notes
+
+
+def check_model(cluster: Cluster, artifact: CalibrationArtifact) -> None:
+    """DescriptionError when the artifact was calibrated on another model than ``model_path``."""
+    target = target_model(cluster.model_path)
+    have = artifact.model
+    if target is None or (target.num_layers, target.num_experts, target.top_k) == (
+            have.num_layers, have.num_experts, have.top_k):
+        return
+    raise DescriptionError(
+        f"calibration: the artifact is for model {have.name!r} ({have.num_layers} layers, {have.num_experts} "
+        f"experts, top-{have.top_k}), model_path {cluster.model_path} has {target.num_layers} layers, "
+        f"{target.num_experts} experts, top-{target.top_k} (calibrate on traces of this model)")
 
 
 def check_files(cluster: Cluster) -> list[str]:

@@ -9,7 +9,10 @@ router's signature address the router Service, each router replica advertising i
 pod IP) and :func:`~eldr_sglang.deploy.commands.build_launches` builds every
 command, so the pods run the flags ``dry-run`` prints, with in-cluster addresses.
 The calibration artifact becomes a ConfigMap, mounted at the description's
-``calibration`` path in the router and prefill pods.
+``calibration`` path in the router and prefill pods. Engine pods get Mooncake's RDMA
+(a device plugin resource or the host network) and are held to the nodes holding
+the model folder; NetworkPolicies and PodDisruptionBudgets come with them
+(:mod:`~eldr_sglang.deploy.k8s_policy`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import yaml
 
 from .commands import Launch, build_launches
 from .files import check_artifact
+from .k8s_policy import disruption_budgets, network_policies
 from .k8s_pods import engine_ports, engine_statefulset, router_deployment, router_ports
 from .spec import Cluster, DescriptionError, Node, Pin
 
@@ -31,6 +35,7 @@ DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # DNS-1035: Service nam
 STATEFULSET_NAME_MAX = 52  # its pods' controller-revision-hash label adds 11 characters to 63
 CONFIGMAP_MAX_BYTES = 1_000_000  # the API server refuses ConfigMaps over 1 MiB
 CONFIG_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+IMAGE = "eldr-sglang:0.1.0"  # docker build -t eldr-sglang:0.1.0 . (the repository's Dockerfile)
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,7 @@ class K8sOptions:
     """What the description does not say about a Kubernetes deployment."""
 
     namespace: str = "default"
-    image: str = "eldr-sglang:latest"
+    image: str = IMAGE
     router_replicas: int = 1
     pin_nodes: bool = False  # nodeSelector kubernetes.io/hostname = the description's node names
     artifact: str | None = None  # read the artifact here instead of the description's path
@@ -72,6 +77,33 @@ def check_names(cluster: Cluster, options: K8sOptions) -> None:
     for where, path in (("calibration", cluster.calibration), ("decode.placement_dir", cluster.decode.placement_dir)):
         if path is not None and not PurePosixPath(path).is_absolute():
             raise DescriptionError(f"{where}: {path!r} must be an absolute path to be mounted into pods")
+
+
+def check_pods(cluster: Cluster, options: K8sOptions) -> list[str]:
+    """DescriptionError when engine pods could not work as generated: Mooncake without RDMA
+    in the pod, folders mounted from nodes (hostPath) without pods held to those nodes."""
+    kube = cluster.kubernetes
+    if cluster.transfer_backend == "mooncake" and not (kube.rdma_resource or kube.host_network):
+        device = (f"ib_device {cluster.ib_device} is not visible inside a pod" if cluster.ib_device
+                  else "ib_device is null")
+        raise DescriptionError(
+            f"kubernetes.rdma_resource: transfer_backend mooncake moves KV caches over RDMA, but the engine pods "
+            f"would get no RDMA device ({device}): set kubernetes.rdma_resource (the RDMA device plugin's resource, "
+            "e.g. rdma/hca_shared_devices_a) or kubernetes.host_network: true, or transfer_backend: mooncake_tcp "
+            "to move them over TCP")
+    decode = cluster.decode
+    for where, path in (("model_path", cluster.model_path),
+                        ("decode.placement_dir", decode.placement_dir if decode.ep_size > 1 else None)):
+        if path and PurePosixPath(path).is_absolute() and not (options.pin_nodes or kube.node_selector):
+            raise DescriptionError(
+                f"kubernetes.node_selector: {where} {path} is mounted from the nodes (hostPath), so engine pods must "
+                "be held to nodes that have it: set kubernetes.node_selector (labels those nodes carry) or pass "
+                "--pin-nodes")
+    notes = []
+    if kube.host_network:
+        notes.append("kubernetes.host_network: engine pods of one role listen on the same ports, so at most one "
+                     "prefill and one decode pod fit on a node")
+    return notes
 
 
 def in_cluster(cluster: Cluster, namespace: str, domain: str = "cluster.local") -> Cluster:
@@ -111,9 +143,7 @@ def build_manifests(cluster: Cluster, options: K8sOptions) -> tuple[dict[str, li
     if size > CONFIGMAP_MAX_BYTES:
         raise DescriptionError(f"calibration: {artifact_path} is {size} bytes; a ConfigMap holds at most about "
                                "1 MiB (calibrate with fewer --layers)")
-    if cluster.ib_device:
-        notes.append(f"ib_device: {cluster.ib_device}: engine pods need RDMA devices (an RDMA device plugin "
-                     "resource or hostNetwork); the manifests request neither")
+    notes += check_pods(cluster, options)
     ns = options.namespace
     k8s = in_cluster(cluster, ns, options.cluster_domain)
     launches = build_launches(k8s)
@@ -140,6 +170,9 @@ def build_manifests(cluster: Cluster, options: K8sOptions) -> tuple[dict[str, li
     files["50-router.yaml"] = [router_deployment(
         cluster, router, meta(router.node), labels(cluster, "router"), options.image, options.router_replicas,
         config if "--calibration" in router.argv else None, cluster.router.node if options.pin_nodes else None)]
+    files["60-policies.yaml"] = [
+        *network_policies(cluster, meta, labels(cluster), "signature" in dict(router_ports(router))),
+        *disruption_budgets(cluster, meta, labels(cluster))]
     return files, notes
 
 

@@ -21,7 +21,9 @@ ROUTER_MEMORY_GI_PER_WORKER = 2
 ENGINE_STARTUP = {"initialDelaySeconds": 60, "periodSeconds": 15, "timeoutSeconds": 25, "failureThreshold": 120}
 ENGINE_READY = {"periodSeconds": 30, "timeoutSeconds": 25, "failureThreshold": 2}
 ENGINE_LIVE = {"periodSeconds": 30, "timeoutSeconds": 25, "failureThreshold": 4}
-ROUTER_READY = {"periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 2}  # 503 while draining
+# the router's /ready: 200 with at least one healthy prefill and decode server (503 while
+# draining); /health: the process answers (liveness)
+ROUTER_READY = {"periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 2}
 ROUTER_LIVE = {"initialDelaySeconds": 10, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6}
 
 
@@ -51,16 +53,20 @@ def router_ports(launch: Launch) -> list[tuple[str, int]]:
     return [("http", launch.port)] + ([("signature", int(sig))] if sig not in (None, "0") else [])
 
 
-def _probe(settings: dict) -> dict:
-    return {"httpGet": {"path": "/health", "port": "http"}, **settings}
+ROUTER_PROBE_PATHS = {"readinessProbe": "/ready", "livenessProbe": "/health"}
+
+
+def _probe(settings: dict, path: str = "/health") -> dict:
+    return {"httpGet": {"path": path, "port": "http"}, **settings}
 
 
 def _container(name: str, image: str, launch: Launch, ports: list[tuple[str, int]], env: list[dict],
-               resources: dict, probes: dict, mounts: list[dict]) -> dict:
+               resources: dict, probes: dict, mounts: list[dict], paths: dict | None = None) -> dict:
+    paths = paths or {}
     out = {"name": name, "image": image, "imagePullPolicy": "IfNotPresent", "command": list(launch.argv),
            "env": [{"name": k, "value": v} for k, v in launch.env] + env,
            "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in ports],
-           "resources": resources, **{k: _probe(v) for k, v in probes.items()}}
+           "resources": resources, **{k: _probe(v, paths.get(k, "/health")) for k, v in probes.items()}}
     if not out["env"]:
         del out["env"]
     if mounts:
@@ -69,12 +75,15 @@ def _container(name: str, image: str, launch: Launch, ports: list[tuple[str, int
 
 
 def _pod(containers: list[dict], volumes: list[dict], labels: dict, annotations: dict, grace: int,
-         node_name: str | None) -> dict:
+         node_name: str | None, selector: dict | None = None) -> dict:
     spec: dict[str, Any] = {"containers": containers, "terminationGracePeriodSeconds": grace}
     if volumes:
         spec["volumes"] = volumes
+    nodes = dict(selector or {})
     if node_name:
-        spec["nodeSelector"] = {"kubernetes.io/hostname": node_name}
+        nodes["kubernetes.io/hostname"] = node_name
+    if nodes:
+        spec["nodeSelector"] = nodes
     meta: dict[str, Any] = {"labels": labels}
     if annotations:
         meta["annotations"] = annotations
@@ -113,15 +122,23 @@ def engine_statefulset(cluster: Cluster, role: Role, launch: Launch, metadata: d
     if dict(ports).get("eldr-metrics"):
         _scrape(annotations, dict(ports)["eldr-metrics"])
     gpu = GPU_RESOURCE[cluster.vendor]
+    kube = cluster.kubernetes
+    limits = {gpu: str(n)}
+    if kube.rdma_resource:
+        limits[kube.rdma_resource] = str(kube.rdma_count)
     resources = {"requests": {"cpu": str(ENGINE_CPU_PER_GPU * n), "memory": f"{ENGINE_MEMORY_GI_PER_GPU * n}Gi"},
-                 "limits": {gpu: str(n)}}
+                 "limits": limits}
     container = _container(role.kind, image, launch, ports, [], resources,
                            {"startupProbe": ENGINE_STARTUP, "readinessProbe": ENGINE_READY,
                             "livenessProbe": ENGINE_LIVE}, mounts)
+    if kube.rdma_resource or kube.host_network:  # RDMA memory registration pins pages
+        container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+    pod = _pod([container], volumes, labels, annotations, 60, node_name, dict(kube.node_selector))
+    if kube.host_network:  # Services' DNS names still resolve
+        pod["spec"].update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")
     return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": metadata,
             "spec": {"serviceName": service, "replicas": 1, "podManagementPolicy": "Parallel",
-                     "selector": {"matchLabels": labels},
-                     "template": _pod([container], volumes, labels, annotations, 60, node_name)}}
+                     "selector": {"matchLabels": labels}, "template": pod}}
 
 
 def router_deployment(cluster: Cluster, launch: Launch, metadata: dict, labels: dict, image: str, replicas: int,
@@ -137,8 +154,13 @@ def router_deployment(cluster: Cluster, launch: Launch, metadata: dict, labels: 
     env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
     resources = {"requests": {"cpu": str(workers), "memory": f"{ROUTER_MEMORY_GI_PER_WORKER * workers}Gi"}}
     container = _container("router", image, launch, router_ports(launch), env, resources,
-                           {"readinessProbe": ROUTER_READY, "livenessProbe": ROUTER_LIVE}, mounts)
+                           {"readinessProbe": ROUTER_READY, "livenessProbe": ROUTER_LIVE}, mounts, ROUTER_PROBE_PATHS)
+    pod = _pod([container], volumes, labels, annotations, int(drain) + 15, node_name)
+    # replicas on different nodes where possible: one node's loss leaves the others serving
+    pod["spec"]["affinity"] = {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 100, "podAffinityTerm": {"labelSelector": {"matchLabels": labels},
+                                            "topologyKey": "kubernetes.io/hostname"}}]}}
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata,
             "spec": {"replicas": replicas, "selector": {"matchLabels": labels},
                      "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-                     "template": _pod([container], volumes, labels, annotations, int(drain) + 15, node_name)}}
+                     "template": pod}}

@@ -10,12 +10,17 @@ Schema (unknown keys are refused)::
     nodes: [{name, host, gpus}]
     router: {node, port: 8000, signature_port: 8001, host: 0.0.0.0, policy: eldr, tau: (the artifact's), extra_args: []}
                                    # signature_port: null -> engines publish over HTTP instead
-    prefill: {count, tp_size: 1, ep_size: 1, nodes: [names], port, bootstrap_port, servers, extra_args, env}
+    prefill: {count, tp_size: 1, ep_size: 1, nodes: [names], port, bootstrap_port, metrics_port, servers, extra_args, env}
     decode:  {count, tp_size: 1, ep_size: 1, nodes: [names], port, metrics_port, placement_dir,
               num_redundant_experts: 0, servers, extra_args, env}
 
 ``servers`` (optional) pins each server: ``[{node: name, gpus: [0, 1, 2, 3]}, ...]``;
 without it servers fill the role's nodes in order with the lowest free GPUs.
+``kubernetes`` (optional; only ``deploy k8s`` reads it)::
+
+    kubernetes: {rdma_resource: null, rdma_count: 1, host_network: false, node_selector: {}}
+                                   # rdma_resource: the RDMA device plugin's resource per engine pod
+                                   # node_selector: labels of the nodes holding model_path (hostPath)
 """
 
 from __future__ import annotations
@@ -65,6 +70,16 @@ class Role:
 
 
 @dataclass(frozen=True)
+class Kubernetes:
+    """How engine pods reach RDMA and the model files (``deploy k8s`` only)."""
+
+    rdma_resource: str | None = None  # e.g. rdma/hca_shared_devices_a (an RDMA device plugin)
+    rdma_count: int = 1
+    host_network: bool = False
+    node_selector: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
 class Router:
     node: str
     port: int = RouterConfig.port
@@ -90,6 +105,7 @@ class Cluster:
     transfer_backend: str = "mooncake"
     ib_device: str | None = None
     attention_dp_late_binding: bool = False
+    kubernetes: Kubernetes = Kubernetes()
     warnings: list[str] = field(default_factory=list, compare=False)
 
     def node(self, name: str) -> Node:
@@ -97,9 +113,9 @@ class Cluster:
 
 
 _TOP = {"name", "vendor", "model_path", "calibration", "python", "log_dir", "transfer_backend", "ib_device",
-        "attention_dp_late_binding", "nodes", "router", "prefill", "decode"}
+        "attention_dp_late_binding", "nodes", "router", "prefill", "decode", "kubernetes"}
 _ROLE = {"count", "tp_size", "ep_size", "nodes", "port", "servers", "extra_args", "env"}
-_PREFILL = _ROLE | {"bootstrap_port"}
+_PREFILL = _ROLE | {"bootstrap_port", "metrics_port"}
 _DECODE = _ROLE | {"metrics_port", "placement_dir", "num_redundant_experts"}
 _ROUTER = {"node", "port", "signature_port", "host", "policy", "tau", "extra_args"}
 
@@ -129,6 +145,7 @@ def parse_cluster(doc: Any) -> Cluster:
         transfer_backend=backend,
         ib_device=None if top.get("ib_device") is None else _str(top["ib_device"], "ib_device"),
         attention_dp_late_binding=_bool(top.get("attention_dp_late_binding", False), "attention_dp_late_binding"),
+        kubernetes=_kubernetes(top.get("kubernetes", {})),
     )
     for role in (cluster.prefill, cluster.decode):
         _check_parallelism(cluster, role)
@@ -220,6 +237,19 @@ def _nodes(value: Any) -> tuple[Node, ...]:
         seen.add(name)
         nodes.append(Node(name, _str(m["host"], f"{where}.host"), _int(m["gpus"], f"{where}.gpus", 1)))
     return tuple(nodes)
+
+
+def _kubernetes(value: Any) -> Kubernetes:
+    m = _mapping(value, "kubernetes", {"rdma_resource", "rdma_count", "host_network", "node_selector"})
+    selector = m.get("node_selector") or {}
+    if not isinstance(selector, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
+                                                     for k, v in selector.items()):
+        raise DescriptionError("kubernetes.node_selector: expected a mapping of node label names to string values")
+    rdma = m.get("rdma_resource")
+    return Kubernetes(rdma_resource=None if rdma is None else _str(rdma, "kubernetes.rdma_resource"),
+                      rdma_count=_int(m.get("rdma_count", 1), "kubernetes.rdma_count", 1),
+                      host_network=_bool(m.get("host_network", False), "kubernetes.host_network"),
+                      node_selector=tuple(sorted(selector.items())))
 
 
 def _router(value: Any, node_names: list[str]) -> Router:

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("eldr_sglang.router")
 
 ENGINE_COUNTERS = ("eldr_decode_unique_experts_total", "eldr_decode_steps_total", "eldr_decode_tokens_total")
-SGLANG_HISTOGRAMS = ("sglang:time_per_output_token_seconds", "sglang:time_to_first_token_seconds")
+SGLANG_HISTOGRAMS = ("sglang:request_time_per_output_token_seconds", "sglang:time_to_first_token_seconds")
 
 
 def parse_prometheus(text: str, names: Optional[tuple[str, ...]] = None) -> dict[str, float]:

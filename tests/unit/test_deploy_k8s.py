@@ -26,11 +26,13 @@ from eldr_sglang.core.traces import ModelSpec
 from eldr_sglang.deploy import build_launches, load_description, parse_cluster, preset_names
 from eldr_sglang.deploy import k8s as k8s_module
 from eldr_sglang.deploy.__main__ import main as deploy_main
-from eldr_sglang.deploy.k8s import in_cluster
+from eldr_sglang.deploy.k8s import IMAGE, in_cluster
+from eldr_sglang.deploy.models import target_model
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = {"StatefulSet": "V1StatefulSet", "Deployment": "V1Deployment", "Service": "V1Service",
-          "ConfigMap": "V1ConfigMap", "Namespace": "V1Namespace"}
+          "ConfigMap": "V1ConfigMap", "Namespace": "V1Namespace", "NetworkPolicy": "V1NetworkPolicy",
+          "PodDisruptionBudget": "V1PodDisruptionBudget"}
 DNS_1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 DNS_1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -39,13 +41,19 @@ LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 PORT_FLAGS = {"--port": "http", "--disaggregation-bootstrap-port": "bootstrap", "--eldr-metrics-port": "eldr-metrics"}
 
 
-def write_artifact(path: Path, clusters: int) -> Path:
-    """A valid calibration artifact with ``clusters`` centroids (4 layers of 128 experts)."""
+def write_artifact(path: Path, clusters: int, num_layers: int = 48) -> Path:
+    """A valid calibration artifact with ``clusters`` centroids (4 selected layers of a model of
+    ``num_layers`` layers x 128 experts, top-8: Qwen3-30B-A3B by default, 94 for Qwen3-235B-A22B)."""
     rng = np.random.default_rng(clusters)
     c = rng.random((clusters, 4 * 128)).astype(np.float32)
     c /= np.linalg.norm(c, axis=1, keepdims=True)
-    CalibrationArtifact(ModelSpec("m", 48, 128, 8), "idf", [0, 10, 20, 30], np.ones((4, 128)), c).save(path)
+    layers = [0, 10, 20, 30] if num_layers > 30 else [0, 1, 2, 3]
+    CalibrationArtifact(ModelSpec("m", num_layers, 128, 8), "idf", layers, np.ones((4, 128)), c).save(path)
     return path
+
+
+def layers_of(preset: str) -> int:
+    return target_model(cluster_of(preset).model_path).num_layers
 
 
 def to_model(doc: dict):
@@ -61,12 +69,13 @@ def to_model(doc: dict):
     return obj
 
 
-def generate(tmp_path: Path, source: list[str], *extra: str, clusters: int | None = None) -> dict[str, list[dict]]:
+def generate(tmp_path: Path, source: list[str], *extra: str, clusters: int | None = None,
+             num_layers: int = 48) -> dict[str, list[dict]]:
     """Run the ``k8s`` subcommand; {file name: documents}."""
     out = tmp_path / "k8s"
     args = ["k8s", *source, "--out", str(out), *extra]
     if clusters is not None:
-        args += ["--artifact", str(write_artifact(tmp_path / "artifact.json", clusters))]
+        args += ["--artifact", str(write_artifact(tmp_path / "artifact.json", clusters, num_layers))]
     assert deploy_main(args) == 0
     return {p.name: list(yaml.safe_load_all(p.read_text())) for p in sorted(out.glob("*.yaml"))}
 
@@ -120,8 +129,9 @@ def check_cross_references(docs: list[dict]) -> None:
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
         for c in spec["containers"]:
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                if probe in c:
-                    assert c[probe]["httpGet"]["path"] == "/health"
+                if probe in c:  # the router is ready with healthy workers (/ready), alive on /health
+                    router_ready = w["kind"] == "Deployment" and probe == "readinessProbe"
+                    assert c[probe]["httpGet"]["path"] == ("/ready" if router_ready else "/health")
                     port = c[probe]["httpGet"]["port"]
                     assert port in ports or port in ports.values(), (w["metadata"]["name"], probe, port)
             assert "readinessProbe" in c and "livenessProbe" in c
@@ -139,6 +149,22 @@ def check_cross_references(docs: list[dict]) -> None:
         assert selected, f"Service {name} selects no pods"
         for w in selected:
             assert {p["targetPort"] for p in svc["spec"]["ports"]} <= set(container_ports(w)), name
+    for doc in docs:
+        if doc["kind"] not in ("NetworkPolicy", "PodDisruptionBudget"):
+            continue
+        selector = doc["spec"]["podSelector" if doc["kind"] == "NetworkPolicy" else "selector"]
+        assert [w for w in workloads if selects(selector, w)], f"{doc['kind']} {doc['metadata']['name']} selects no pods"
+        for rule in doc["spec"].get("ingress", []):
+            for peer in rule.get("from", []):
+                if "podSelector" in peer and "namespaceSelector" not in peer:
+                    assert [w for w in workloads if selects(peer["podSelector"], w)], doc["metadata"]["name"]
+
+
+def selects(selector: dict, workload: dict) -> bool:
+    """A label selector (matchLabels, matchExpressions with In) matches the workload's pods."""
+    labels = workload["spec"]["template"]["metadata"]["labels"]
+    return selector.get("matchLabels", {}).items() <= labels.items() and all(
+        e["operator"] == "In" and labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", []))
 
 
 def pod_url(docs: list[dict], scheme: str, workload: dict, port: str, namespace: str) -> str:
@@ -194,15 +220,16 @@ def check_commands(docs: list[dict], preset: str, namespace: str) -> None:
         if name != "router":
             tp = len(launch.gpus)
             assert env["HIP_VISIBLE_DEVICES"] == ",".join(map(str, range(tp)))
-            assert c["resources"]["limits"] == {"amd.com/gpu": str(tp)}
+            assert c["resources"]["limits"] == {"amd.com/gpu": str(tp), "rdma/hca_shared_devices_a": "1"}
+            assert c["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}  # RDMA pins memory
 
 
 @pytest.mark.parametrize("preset", preset_names())
 def test_preset_manifests(tmp_path, preset):
     cluster = cluster_of(preset)
-    files = generate(tmp_path, ["--preset", preset], clusters=cluster.decode.count)
+    files = generate(tmp_path, ["--preset", preset], clusters=cluster.decode.count, num_layers=layers_of(preset))
     assert list(files) == ["10-calibration.yaml", "20-services.yaml", "30-prefill.yaml", "40-decode.yaml",
-                           "50-router.yaml"]
+                           "50-router.yaml", "60-policies.yaml"]
     docs = [d for ds in files.values() for d in ds]
     check_object_rules(docs, "default")
     check_cross_references(docs)
@@ -210,6 +237,7 @@ def test_preset_manifests(tmp_path, preset):
     kinds = [d["kind"] for d in docs]
     assert kinds.count("StatefulSet") == cluster.prefill.count + cluster.decode.count
     assert kinds.count("Deployment") == kinds.count("ConfigMap") == 1 and kinds.count("Service") == 3
+    assert kinds.count("NetworkPolicy") == 2 and kinds.count("PodDisruptionBudget") == 3
     assert all(d["spec"]["replicas"] == 1 for d in docs if d["kind"] in ("StatefulSet", "Deployment"))
     (configmap,) = files["10-calibration.yaml"]
     assert list(configmap["data"].values()) == [(tmp_path / "artifact.json").read_text()]
@@ -245,17 +273,17 @@ def test_namespace_replicas_cuda_and_pinning(tmp_path):
     for w in files["30-prefill.yaml"] + files["40-decode.yaml"]:
         (c,) = pod_spec(w)["containers"]
         assert c["image"] == "registry.local/eldr:1"
-        assert c["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+        assert c["resources"]["limits"] == {"nvidia.com/gpu": "1", "rdma/hca_shared_devices_a": "1"}
         assert {e["name"]: e["value"] for e in c["env"]}["CUDA_VISIBLE_DEVICES"] == "0"
         server = w["metadata"]["name"].removeprefix(doc["name"] + "-")
-        assert pod_spec(w)["nodeSelector"] == {"kubernetes.io/hostname": nodes[server]}
+        assert pod_spec(w)["nodeSelector"] == {"kubernetes.io/hostname": nodes[server], "eldr-sglang/models": "true"}
         assert ".eldr.svc.cluster.local" in " ".join(c["command"]) or server.startswith("decode")
 
 
 def test_model_check_refuses_broken_objects(tmp_path):
     """The model check the tests rely on does fail: a missing required field, a wrong type
     and a misspelt key are each refused."""
-    files = generate(tmp_path, ["--preset", "qwen3-235b-a22b-tp4ep4-mi300x"], clusters=6)
+    files = generate(tmp_path, ["--preset", "qwen3-235b-a22b-tp4ep4-mi300x"], clusters=6, num_layers=94)
     sts = files["40-decode.yaml"][0]
     to_model(sts)
     no_name = copy.deepcopy(sts)
@@ -310,7 +338,7 @@ def test_artifact_missing_unfit_or_too_large(tmp_path, capsys, monkeypatch):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.startswith("error: calibration: /shared/eldr/qwen3-30b-a3b/artifact.json: cannot read")
     assert "--artifact FILE" in done.stderr and not (tmp_path / "out").exists()
-    art = write_artifact(tmp_path / "a5.json", 5)
+    art = write_artifact(tmp_path / "a5.json", 5, num_layers=94)
     assert deploy_main(["k8s", "--preset", "qwen3-235b-a22b-tp4ep4-mi300x", "--out", str(tmp_path / "o"),
                         "--artifact", str(art)]) == 2
     assert "calibration: the artifact has 5 centroids for 6 decode servers" in capsys.readouterr().err
@@ -318,3 +346,110 @@ def test_artifact_missing_unfit_or_too_large(tmp_path, capsys, monkeypatch):
     assert deploy_main(["k8s", "--preset", "qwen3-30b-a3b-8p16d-mi300x", "--out", str(tmp_path / "o"),
                         "--artifact", str(write_artifact(tmp_path / "a16.json", 16))]) == 2
     assert "a ConfigMap holds at most about 1 MiB" in capsys.readouterr().err
+
+
+def _k8s_refusal(tmp_path, capsys, doc: dict, *extra: str, clusters: int = 16, num_layers: int = 48) -> str:
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(doc))
+    art = write_artifact(tmp_path / f"a{clusters}-{num_layers}.json", clusters, num_layers)
+    assert deploy_main(["k8s", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "out"), "--artifact", str(art),
+                        *extra]) == 2
+    assert not (tmp_path / "out").exists()
+    return capsys.readouterr().err
+
+
+def test_artifact_that_cannot_fit_the_cluster_is_refused(tmp_path, capsys):
+    """16 TP1 decode servers: 3 centroids split them unevenly; a 4-layer artifact is another
+    model than Qwen3-30B-A3B (48 layers); 8 centroids (2 servers per region) pass with a note."""
+    doc = load_description(preset="qwen3-30b-a3b-8p16d-mi300x")
+    err = _k8s_refusal(tmp_path, capsys, doc, clusters=3)
+    assert err.startswith("error: calibration: the artifact has 3 centroids for 16 decode servers")
+    assert "do not split evenly" in err
+    err = _k8s_refusal(tmp_path, capsys, doc, num_layers=4)
+    assert err.startswith("error: calibration: the artifact is for model 'm' (4 layers, 128 experts, top-8), "
+                          "model_path /models/Qwen3-30B-A3B has 48 layers")
+    assert _k8s_refusal(tmp_path, capsys, doc, clusters=1).startswith("error: calibration: the artifact has 1 ")
+    files = generate(tmp_path, ["--preset", "qwen3-30b-a3b-8p16d-mi300x"], clusters=8)
+    assert "each region is shared by 2 servers" in capsys.readouterr().err and files
+
+
+def test_a_model_folder_with_its_config_decides_the_identity(tmp_path, capsys):
+    model = tmp_path / "my-moe"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "num_experts": 128,
+                                                   "num_experts_per_tok": 8}))
+    doc = copy.deepcopy(load_description(preset="qwen3-30b-a3b-8p16d-mi300x"))
+    doc["model_path"] = str(model)
+    assert "48 layers" in _k8s_refusal(tmp_path, capsys, doc)  # the artifact's 48 against the folder's 4
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(doc))
+    assert generate(tmp_path, [str(tmp_path / "c.yaml")], clusters=16, num_layers=4)
+
+
+def test_mooncake_without_rdma_in_the_pods_is_refused(tmp_path, capsys):
+    doc = copy.deepcopy(load_description(preset="qwen3-30b-a3b-8p16d-mi300x"))
+    del doc["kubernetes"]["rdma_resource"]
+    err = _k8s_refusal(tmp_path, capsys, doc)
+    assert err.startswith("error: kubernetes.rdma_resource: transfer_backend mooncake moves KV caches over RDMA")
+    assert "ib_device is null" in err and "mooncake_tcp" in err
+    doc["ib_device"] = "rdma0"
+    assert "ib_device rdma0 is not visible inside a pod" in _k8s_refusal(tmp_path, capsys, doc)
+    tcp = {**doc, "transfer_backend": "mooncake_tcp", "ib_device": None}
+    (tmp_path / "tcp.yaml").write_text(yaml.safe_dump(tcp))
+    files = generate(tmp_path, [str(tmp_path / "tcp.yaml")], clusters=16)
+    (c,) = pod_spec(files["30-prefill.yaml"][0])["containers"]
+    assert set(c["resources"]["limits"]) == {"amd.com/gpu"} and "securityContext" not in c
+    host = {**doc, "kubernetes": {**doc["kubernetes"], "host_network": True}}
+    (tmp_path / "host.yaml").write_text(yaml.safe_dump(host))
+    files = generate(tmp_path, [str(tmp_path / "host.yaml")], clusters=16)
+    assert "at most one prefill and one decode pod fit on a node" in capsys.readouterr().err
+    for w in files["30-prefill.yaml"] + files["40-decode.yaml"]:
+        assert pod_spec(w)["hostNetwork"] is True and pod_spec(w)["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert "hostNetwork" not in pod_spec(files["50-router.yaml"][0])
+
+
+def test_host_path_mounts_need_node_pinning(tmp_path, capsys):
+    doc = copy.deepcopy(load_description(preset="qwen3-30b-a3b-8p16d-mi300x"))
+    del doc["kubernetes"]["node_selector"]
+    err = _k8s_refusal(tmp_path, capsys, doc)
+    assert err.startswith("error: kubernetes.node_selector: model_path /models/Qwen3-30B-A3B is mounted from the "
+                          "nodes (hostPath)")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(doc))
+    files = generate(tmp_path, [str(tmp_path / "c.yaml")], "--pin-nodes", clusters=16)
+    assert all(set(pod_spec(w)["nodeSelector"]) == {"kubernetes.io/hostname"} for w in files["40-decode.yaml"])
+    hub = {**doc, "model_path": "Qwen/Qwen3-30B-A3B"}  # a hub id: downloaded in the pod, no hostPath
+    (tmp_path / "hub.yaml").write_text(yaml.safe_dump(hub))
+    files = generate(tmp_path, [str(tmp_path / "hub.yaml")], clusters=16)
+    assert all("nodeSelector" not in pod_spec(w) for w in files["40-decode.yaml"])
+    bad = copy.deepcopy(load_description(preset="qwen3-30b-a3b-8p16d-mi300x"))
+    bad["kubernetes"]["node_selector"] = {"disk": 1}
+    assert "kubernetes.node_selector: expected a mapping" in _k8s_refusal(tmp_path, capsys, bad)
+
+
+def test_metrics_probes_and_policies(tmp_path):
+    """Every engine runs SGLang's --enable-metrics and is scraped (prefill included: signatures
+    sent and dropped); the router is ready on /ready; replicas spread over nodes; the network
+    policies let clients reach only the router, signatures come only from prefill pods."""
+    files = generate(tmp_path, ["--preset", "qwen3-30b-a3b-8p16d-mi300x"], "--router-replicas", "2", clusters=16)
+    for w in files["30-prefill.yaml"] + files["40-decode.yaml"]:
+        (c,) = pod_spec(w)["containers"]
+        assert "--enable-metrics" in c["command"]
+        notes = w["spec"]["template"]["metadata"]["annotations"]
+        assert notes["prometheus.io/scrape"] == "true"
+        assert int(notes["prometheus.io/port"]) == container_ports(w)["eldr-metrics"]
+    (router,) = files["50-router.yaml"]
+    (c,) = pod_spec(router)["containers"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready" and c["livenessProbe"]["httpGet"]["path"] == "/health"
+    (term,) = pod_spec(router)["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == router["spec"]["selector"]["matchLabels"]
+    assert c["image"] == IMAGE
+    policies = {d["metadata"]["name"]: d for d in files["60-policies.yaml"] if d["kind"] == "NetworkPolicy"}
+    engines = policies["qwen3-30b-a3b-8p16d-mi300x-engines"]["spec"]
+    open_rules = [r for r in engines["ingress"] if "from" not in r]
+    assert [p["port"] for r in open_rules for p in r["ports"]] == ["eldr-metrics"]  # HTTP is not open to all
+    router_rules = policies["qwen3-30b-a3b-8p16d-mi300x-router"]["spec"]["ingress"]
+    signature = next(r for r in router_rules if r["ports"][0]["port"] == "signature")
+    (peer,) = signature["from"]
+    prefill = files["30-prefill.yaml"][0]
+    assert selects(peer["podSelector"], prefill) and not selects(peer["podSelector"], files["40-decode.yaml"][0])
+    budgets = [d for d in files["60-policies.yaml"] if d["kind"] == "PodDisruptionBudget"]
+    assert all(d["spec"]["maxUnavailable"] == 1 for d in budgets)

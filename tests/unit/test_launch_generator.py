@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -194,7 +195,12 @@ def files_235b(tmp_path_factory):
                     "--layers", "0,1,2", "--n-init", "1"])
     assert placement_main(["optimize", "--artifact", str(work / "artifact.json"), "--traces", str(work / "traces"),
                            "--ep-size", "4", "--out", str(work / "placements")]) == 0
+    model = work / "model"  # the 3-layer stand-in the artifact was calibrated for
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 3, "num_experts": 128,
+                                                   "num_experts_per_tok": 8}))
     doc = preset_doc(P235B)
+    doc["model_path"] = str(model)
     doc["calibration"] = str(work / "artifact.json")
     doc["decode"]["placement_dir"] = str(work / "placements")
     return work, doc

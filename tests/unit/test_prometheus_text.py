@@ -19,15 +19,15 @@ TIMESTAMPED = """# HELP eldr_decode_steps_total Decode forward steps run
 # TYPE eldr_decode_steps_total counter
 eldr_decode_steps_total{tp_rank="0"} 12 1764650000000
 eldr_decode_steps_total{tp_rank="1"} 8.5 1764650000000
-# TYPE sglang:time_per_output_token_seconds histogram
-sglang:time_per_output_token_seconds_bucket{le="0.01",model_name="m"} 1 1764650000000
-sglang:time_per_output_token_seconds_bucket{le="0.05",model_name="m"} 3 1764650000000
-sglang:time_per_output_token_seconds_bucket{le="+Inf",model_name="m"} 4 1764650000000
-sglang:time_per_output_token_seconds_bucket{le="0.01",model_name="n"} 0
-sglang:time_per_output_token_seconds_bucket{le="0.05",model_name="n"} 2
-sglang:time_per_output_token_seconds_bucket{le="+Inf",model_name="n"} 6
-sglang:time_per_output_token_seconds_sum{model_name="m"} 0.1 1764650000000
-sglang:time_per_output_token_seconds_count{model_name="m"} 4 1764650000000
+# TYPE sglang:request_time_per_output_token_seconds histogram
+sglang:request_time_per_output_token_seconds_bucket{le="0.01",model_name="m"} 1 1764650000000
+sglang:request_time_per_output_token_seconds_bucket{le="0.05",model_name="m"} 3 1764650000000
+sglang:request_time_per_output_token_seconds_bucket{le="+Inf",model_name="m"} 4 1764650000000
+sglang:request_time_per_output_token_seconds_bucket{le="0.01",model_name="n"} 0
+sglang:request_time_per_output_token_seconds_bucket{le="0.05",model_name="n"} 2
+sglang:request_time_per_output_token_seconds_bucket{le="+Inf",model_name="n"} 6
+sglang:request_time_per_output_token_seconds_sum{model_name="m"} 0.1 1764650000000
+sglang:request_time_per_output_token_seconds_count{model_name="m"} 4 1764650000000
 """
 
 
@@ -37,14 +37,14 @@ def engine_state(steps=4, tokens=10, sent=3, dropped=1):
 
 
 def test_parse_prometheus_reads_values_not_timestamps():
-    got = parse_prometheus(TIMESTAMPED, ("eldr_decode_steps_total", "sglang:time_per_output_token_seconds_count"))
-    assert got == {"eldr_decode_steps_total": 20.5, "sglang:time_per_output_token_seconds_count": 4.0}
+    got = parse_prometheus(TIMESTAMPED, ("eldr_decode_steps_total", "sglang:request_time_per_output_token_seconds_count"))
+    assert got == {"eldr_decode_steps_total": 20.5, "sglang:request_time_per_output_token_seconds_count": 4.0}
     assert parse_prometheus('x{a="1 2"} 3\n', ("x",)) == {"x": 3.0}  # a space inside a label value
     assert parse_prometheus("x 1\nthis is { not metrics\n", ("x",)) == {}
 
 
 def test_histogram_quantiles_sums_label_sets_and_ignores_timestamps():
-    q = histogram_quantiles(TIMESTAMPED, "sglang:time_per_output_token_seconds", (0.1, 0.5, 0.9))
+    q = histogram_quantiles(TIMESTAMPED, "sglang:request_time_per_output_token_seconds", (0.1, 0.5, 0.9))
     assert q["count"] == 10.0
     assert q["buckets"] == {"0.01": 1.0, "0.05": 5.0, "inf": 10.0}
     assert (q["p10_le_ms"], q["p50_le_ms"], q["p90_le_ms"]) == (10.0, 50.0, float("inf"))
