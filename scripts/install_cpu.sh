@@ -11,7 +11,7 @@ VENV="${ELDR_VENV:-$ROOT/.venv}"
 PY="${ELDR_PYTHON:-python3.11}"
 LOCK="$ROOT/requirements/cpu-lock.txt"
 STAMP="$VENV/.eldr-install-stamp"
-APT_PKGS=(libibverbs1 librdmacm1 libnl-3-200 libnl-route-3-200 libnuma1)
+APT_PKGS=(libibverbs1 librdmacm1 libnl-3-200 libnl-route-3-200 libnuma1 prometheus)
 
 step() { CURRENT_STEP="$1"; echo "==> [install] $1"; }
 trap 'echo "!! [install] step failed: ${CURRENT_STEP:-setup} (see the output above)" >&2' ERR
@@ -20,7 +20,7 @@ fingerprint() {
   cat "$LOCK" "$ROOT/pyproject.toml" "$ROOT/scripts/install_cpu.sh" | sha256sum | cut -d' ' -f1
 }
 
-step "check Debian libraries for mooncake (${APT_PKGS[*]})"
+step "check Debian packages: mooncake libraries, prometheus (promtool) (${APT_PKGS[*]})"
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
