@@ -8,7 +8,7 @@ Schema (unknown keys are refused)::
     ib_device: str | null          # --disaggregation-ib-device
     attention_dp_late_binding: false   # allow TP > 1 under late binding (see DEPLOY.md)
     nodes: [{name, host, gpus}]
-    router: {node, port: 8000, signature_port: 8001, host: 0.0.0.0, policy: eldr, tau: (the artifact's), extra_args: []}
+    router: {node, port: 8000, signature_port: 8001, host: 0.0.0.0, policy: eldr_balanced, tau: (the artifact's), extra_args: []}
                                    # signature_port: null -> engines publish over HTTP instead
     prefill: {count, tp_size: 1, ep_size: 1, nodes: [names], port, bootstrap_port, metrics_port, servers, extra_args, env}
     decode:  {count, tp_size: 1, ep_size: 1, nodes: [names], port, metrics_port, placement_dir,
