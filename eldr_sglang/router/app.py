@@ -630,9 +630,13 @@ class Router:
             return error_response(500, f"internal router error: {type(e).__name__}")
 
 
-async def start_router(router: Router, host: str = "127.0.0.1", port: int = 0,
+async def start_router(router: Any, host: str = "127.0.0.1", port: int = 0,
                        reuse_port: bool = False) -> tuple[web.AppRunner, int]:
-    """Start ``router`` on host:port (0 = any free port); returns (runner, port)."""
+    """Start ``router`` on host:port (0 = any free port); returns (runner, port).
+
+    ``router``: a :class:`Router`, or any object with ``build_app`` and
+    ``start_background``/``stop_background`` (the co-located router); connections go
+    through its ``guards`` (header time limit) when it has them."""
     app = router.build_app()
 
     async def on_startup(_: web.Application) -> None:
@@ -646,10 +650,12 @@ async def start_router(router: Router, host: str = "127.0.0.1", port: int = 0,
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
                            keepalive_timeout=CLIENT_KEEPALIVE_S)
     await runner.setup()
-    site = GuardedSite(runner, router.guards, host, port, reuse_port=reuse_port)
+    guards = getattr(router, "guards", None)
+    site = (GuardedSite(runner, guards, host, port, reuse_port=reuse_port) if guards is not None
+            else web.TCPSite(runner, host, port, reuse_port=reuse_port or None))
     try:
         await site.start()
     except OSError:
         await runner.cleanup()  # close the worker session and the signature stream
         raise
-    return runner, site.sockets[0].getsockname()[1]
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]

@@ -202,9 +202,7 @@ def build_router(args: argparse.Namespace) -> Router:
 async def serve(router: Router, host: str, port: int, drain_timeout: float,
                 reuse_port: bool = False) -> None:
     """Serve until SIGTERM/SIGINT, then drain: 503 for new work, finish in-flight, exit."""
-    start = getattr(router, "start_site", None)  # --mode colocated serves its own app
-    runner, bound = await (start(host, port, reuse_port) if start else
-                           start_router(router, host, port, reuse_port=reuse_port))
+    runner, bound = await start_router(router, host, port, reuse_port=reuse_port)
     log = logging.getLogger("eldr_sglang.router")
     log.info("listening on %s:%d (pid %d)%s", host, bound, os.getpid(),
              f", signatures at {router.return_address}" if router.return_address else "")

@@ -322,30 +322,6 @@ class ColocatedRouter:
             return False
 
 
-    async def start_site(self, host: str = "127.0.0.1", port: int = 0,
-                         reuse_port: bool = False) -> tuple[web.AppRunner, int]:
-        """Serve on host:port (0: any free port); returns (runner, bound port)."""
-        app = self.build_app()
-
-        async def on_startup(_: web.Application) -> None:
-            await self.start_background(host)
-
-        async def on_cleanup(_: web.Application) -> None:
-            await self.stop_background()
-
-        app.on_startup.append(on_startup)
-        app.on_cleanup.append(on_cleanup)
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
-        await runner.setup()
-        site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
-        try:
-            await site.start()
-        except OSError:
-            await runner.cleanup()
-            raise
-        return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-
-
 def build_colocated_router(args: Any) -> ColocatedRouter:
     """From the CLI's parsed arguments (``--worker`` URLs and the RouterConfig)."""
     return ColocatedRouter(args.worker, config=args.router_config)

@@ -12,6 +12,7 @@ import pytest
 from eldr_sglang.core import CalibrationArtifact, ModelSpec
 from eldr_sglang.core.predictor import SignaturePredictor
 from eldr_sglang.prompts import load_tokenizer
+from eldr_sglang.router.app import start_router
 from eldr_sglang.router.cli import parse_args
 from eldr_sglang.router.colocated import ColocatedRouter
 from eldr_sglang.testing.stub_worker import StubWorker
@@ -57,7 +58,7 @@ async def colocated(n=TOPICS, artifact=None, tokenizer=None, policy="eldr", work
     urls = [await w.start() for w in workers]
     router = ColocatedRouter(urls, artifact=artifact if artifact is not None else make_artifact(),
                              tokenizer=tokenizer, policy=policy, health_interval=0, load_interval=0)
-    runner, port = await router.start_site()
+    runner, port = await start_router(router)
     http = aiohttp.ClientSession()
     try:
         yield router, f"http://127.0.0.1:{port}", workers, http

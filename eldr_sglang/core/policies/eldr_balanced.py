@@ -89,12 +89,12 @@ class EldrBalancedPolicy(StateAwarePolicy):
         if sig.shape[0] != self.centroids.shape[1]:
             raise ValueError(f"signature has {sig.shape[0]} dims, centroids have {self.centroids.shape[1]}")
         csims = self.centroids @ sig
-        sims = self.ownership.gather(csims).tolist()
+        server_sims = self.ownership.gather(csims)
+        sims = server_sims.tolist()
         limit = costs[cheapest] * (1.0 + self.cost_band)
         band = [i for i in cand if costs[i] <= limit]
         idx = max(band, key=lambda i: (sims[i], -costs[i]))
-        return Decision(idx, self.name, "cost_band", tuple(band), float(sims[idx]),
-                        np.asarray(sims), csims)
+        return Decision(idx, self.name, "cost_band", tuple(band), sims[idx], server_sims, csims)
 
     def describe(self) -> dict:
         out = super().describe()
