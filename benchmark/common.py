@@ -1,0 +1,112 @@
+"""Furniture shared by the benchmark scripts: recording a run, mean ± sd, markdown tables, timing, ports.
+
+Scripts are run as ``python benchmark/<script>.py`` (this folder is then on
+``sys.path``), so they import it as ``from common import ...``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: This folder and the repository root.
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+
+
+# ------------------------------------------------------------------ statistics
+def mean_sd(values: Iterable[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (``ddof=1``; 0.0 for a single value)."""
+    a = np.asarray(list(values), dtype=float)
+    if a.size == 0:
+        raise ValueError("mean_sd: no values")
+    return float(a.mean()), float(a.std(ddof=1)) if a.size > 1 else 0.0
+
+
+def fmt_mean_sd(values: Iterable[float], digits: int = 1, scale: float = 1.0) -> str:
+    """``"mean ± sd"`` of ``values`` times ``scale``, both with ``digits`` decimals."""
+    m, sd = mean_sd(values)
+    return f"{scale * m:.{digits}f} ± {scale * sd:.{digits}f}"
+
+
+# ------------------------------------------------------------------ tables
+def markdown_table(headers: Sequence[Any], rows: Iterable[Sequence[Any]]) -> str:
+    """A GitHub markdown table, ``| a | b |`` with a ``|---|---|`` rule; cells are ``str()``-ed as given."""
+    lines = ["| " + " | ".join(map(str, headers)) + " |", "|" + "---|" * len(headers)]
+    for row in rows:
+        if len(row) != len(headers):
+            raise ValueError(f"markdown_table: row of {len(row)} cells under {len(headers)} headers: {row!r}")
+        lines.append("| " + " | ".join(map(str, row)) + " |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ recording a run
+def command_line(script: str | os.PathLike, argv: Sequence[str] | None = None) -> str:
+    """The command that reruns a benchmark: ``python benchmark/<script> <args>`` (args default: ``sys.argv[1:]``)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return " ".join(["python", f"benchmark/{Path(script).name}", *map(shlex.quote, args)])
+
+
+def machine_facts() -> dict[str, Any]:
+    """What a reader needs to compare timings across machines."""
+    return {"python": platform.python_version(), "platform": platform.platform(),
+            "cpus": os.cpu_count(), "load_average": list(os.getloadavg())}
+
+
+def write_record(path: str | os.PathLike, doc: dict, argv: Sequence[str] | None = None, *,
+                 script: str | os.PathLike | None = None) -> dict:
+    """Write ``doc`` as JSON after the command line, the time (UTC) and the machine facts; returns the record.
+
+    ``script`` defaults to ``sys.argv[0]``; a ``"command"`` already in ``doc`` wins.
+    """
+    record = {"command": command_line(script or sys.argv[0], argv),
+              "recorded_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine_facts(), **doc}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1, default=float) + "\n")
+    return record
+
+
+# ------------------------------------------------------------------ timing
+class Stopwatch:
+    """``with Stopwatch() as t: ...`` then ``t.seconds`` (wall) and ``t.cpu_seconds`` (this process)."""
+
+    def __enter__(self) -> "Stopwatch":
+        self.seconds = self.cpu_seconds = 0.0
+        self._t0, self._c0 = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self._t0
+        self.cpu_seconds = time.process_time() - self._c0
+
+
+def seconds_per_call(fn: Callable[[], Any], repeat: int) -> float:
+    """Mean wall seconds of ``fn()`` over ``repeat`` back-to-back calls."""
+    if repeat < 1:
+        raise ValueError(f"seconds_per_call: repeat must be >= 1, got {repeat}")
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - t0) / repeat
+
+
+# ------------------------------------------------------------------ ports
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
