@@ -54,7 +54,8 @@ def add_k8s_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="directory for the manifests (kubectl apply -f DIR)")
     p.add_argument("--namespace", default=d.namespace, help="namespace of every object (default: %(default)s)")
     p.add_argument("--image", default=d.image,
-                   help="image with SGLang and eldr-sglang installed, for engines and router (default: %(default)s)")
+                   help="image with SGLang and eldr-sglang installed, for engines and router (default: "
+                        "eldr-sglang:VERSION-VENDOR, built from the repository's Dockerfile: docs/DEPLOY.md)")
     p.add_argument("--router-replicas", type=int, default=d.router_replicas, help="router pods (default: 1)")
     p.add_argument("--artifact", help="read the calibration artifact from this file (default: the description's "
                                       "calibration path); pods see it at the description's path")

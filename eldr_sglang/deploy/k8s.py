@@ -27,6 +27,7 @@ import yaml
 
 from .commands import Launch, build_launches
 from .files import check_artifact
+from .image import default_image
 from .k8s_policy import disruption_budgets, network_policies
 from .k8s_pods import engine_ports, engine_statefulset, router_deployment, router_ports
 from .spec import Cluster, DescriptionError, Node, Pin
@@ -35,7 +36,6 @@ DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # DNS-1035: Service nam
 STATEFULSET_NAME_MAX = 52  # its pods' controller-revision-hash label adds 11 characters to 63
 CONFIGMAP_MAX_BYTES = 1_000_000  # the API server refuses ConfigMaps over 1 MiB
 CONFIG_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
-IMAGE = "eldr-sglang:0.1.0"  # docker build -t eldr-sglang:0.1.0 . (the repository's Dockerfile)
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class K8sOptions:
     """What the description does not say about a Kubernetes deployment."""
 
     namespace: str = "default"
-    image: str = IMAGE
+    image: str | None = None  # None: default_image(vendor), built from the repository's Dockerfile
     router_replicas: int = 1
     pin_nodes: bool = False  # nodeSelector kubernetes.io/hostname = the description's node names
     artifact: str | None = None  # read the artifact here instead of the description's path
@@ -144,6 +144,7 @@ def build_manifests(cluster: Cluster, options: K8sOptions) -> tuple[dict[str, li
         raise DescriptionError(f"calibration: {artifact_path} is {size} bytes; a ConfigMap holds at most about "
                                "1 MiB (calibrate with fewer --layers)")
     notes += check_pods(cluster, options)
+    image = options.image or default_image(cluster.vendor)
     ns = options.namespace
     k8s = in_cluster(cluster, ns, options.cluster_domain)
     launches = build_launches(k8s)
@@ -162,13 +163,13 @@ def build_manifests(cluster: Cluster, options: K8sOptions) -> tuple[dict[str, li
     for number, role in ((30, cluster.prefill), (40, cluster.decode)):
         files[f"{number}-{role.kind}.yaml"] = [
             engine_statefulset(cluster, role, l, meta(l.node), labels(cluster, role.kind, l.node),
-                               service_name(cluster, role.kind), options.image,
+                               service_name(cluster, role.kind), image,
                                config if role.kind == "prefill" else None,
                                placed[l.name] if options.pin_nodes else None)
             for l in launches if l.name.startswith(f"{role.kind}-")]
     router = launches[-1]
     files["50-router.yaml"] = [router_deployment(
-        cluster, router, meta(router.node), labels(cluster, "router"), options.image, options.router_replicas,
+        cluster, router, meta(router.node), labels(cluster, "router"), image, options.router_replicas,
         config if "--calibration" in router.argv else None, cluster.router.node if options.pin_nodes else None)]
     files["60-policies.yaml"] = [
         *network_policies(cluster, meta, labels(cluster), "signature" in dict(router_ports(router))),

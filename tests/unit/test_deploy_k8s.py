@@ -26,7 +26,8 @@ from eldr_sglang.core.traces import ModelSpec
 from eldr_sglang.deploy import build_launches, load_description, parse_cluster, preset_names
 from eldr_sglang.deploy import k8s as k8s_module
 from eldr_sglang.deploy.__main__ import main as deploy_main
-from eldr_sglang.deploy.k8s import IMAGE, in_cluster
+from eldr_sglang.deploy.image import default_image
+from eldr_sglang.deploy.k8s import in_cluster
 from eldr_sglang.deploy.models import target_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -441,7 +442,7 @@ def test_metrics_probes_and_policies(tmp_path):
     (term,) = pod_spec(router)["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
     assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
     assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == router["spec"]["selector"]["matchLabels"]
-    assert c["image"] == IMAGE
+    assert c["image"] == default_image("rocm")
     policies = {d["metadata"]["name"]: d for d in files["60-policies.yaml"] if d["kind"] == "NetworkPolicy"}
     engines = policies["qwen3-30b-a3b-8p16d-mi300x-engines"]["spec"]
     open_rules = [r for r in engines["ingress"] if "from" not in r]
