@@ -2,10 +2,13 @@
 
 Every PromQL expression parses (promql-parser), and every metric and label it names
 is exported: the router's from a fresh ``RouterMetrics`` registry, the engine
-plugin's from ``ENGINE_METRICS`` of ``eldr_sglang/patches/metrics.py``."""
+plugin's from ``ENGINE_METRICS`` of ``eldr_sglang/patches/metrics.py``, SGLang's own
+(``sglang:*``, ``--enable-metrics``) from the installed SGLang's metrics collector."""
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -22,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MONITORING = ROOT / "deploy" / "monitoring"
 TARGET_LABELS = {"instance", "job"}  # Prometheus adds them to every scraped sample
 GRAFANA = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h", "$router": ".*", "$engine": ".*"}
-NAME = re.compile(r"(?<![A-Za-z0-9_:])(eldr_[A-Za-z0-9_:]*)(?=[{\[),]|\s|$)")
+NAME = re.compile(r"(?<![A-Za-z0-9_:])((?:eldr_|sglang:)[A-Za-z0-9_:]*)(?=[{\[),]|\s|$)")
 LEGEND = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 ANNOTATION_LABEL = re.compile(r"\$labels\.([A-Za-z_][A-Za-z0-9_]*)")
 SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum")}
@@ -49,9 +52,43 @@ def engine_exports() -> dict[str, set[str]]:
     return {name + ("_total" if kind == "counter" else ""): set() for name, kind, _, _ in ENGINE_METRICS}
 
 
+# the labels every TokenizerMetricsCollector metric carries (sglang tokenizer_metric_labels)
+SGLANG_BASE_LABELS = {"model_name", "engine_type"}
+SGLANG_METRIC_KINDS = {"Counter": "counter", "Gauge": "gauge", "Histogram": "histogram"}
+
+
+def sglang_exports() -> dict[str, set[str]]:
+    """Sample name -> label names of the installed SGLang's metrics (its
+    ``observability/metrics_collector.py``, read without importing SGLang): every
+    ``Counter``/``Gauge``/``Histogram`` call with a ``name="sglang:..."``."""
+    package = importlib.util.find_spec("sglang")
+    assert package is not None and package.submodule_search_locations, "sglang is not installed"
+    source = Path(list(package.submodule_search_locations)[0]) / "srt" / "observability" / "metrics_collector.py"
+    out: dict[str, set[str]] = {}
+    for node in ast.walk(ast.parse(source.read_text())):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in SGLANG_METRIC_KINDS):
+            continue
+        kw = {k.arg: k.value for k in node.keywords}
+        name = kw.get("name")
+        if not (isinstance(name, ast.Constant) and str(name.value).startswith("sglang:")):
+            continue
+        labels: set[str] = set()
+        if "labelnames" in kw:
+            expr = kw["labelnames"]
+            labels = {n.value for n in ast.walk(expr) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+            if any(isinstance(n, ast.Name) and n.id == "labels" for n in ast.walk(expr)):
+                labels |= SGLANG_BASE_LABELS
+        kind = SGLANG_METRIC_KINDS[node.func.id]
+        base = name.value.removesuffix("_total") if kind == "counter" else name.value
+        for suffix in SUFFIXES[kind]:
+            out.setdefault(base + suffix, set()).update(labels | ({"le"} if suffix == "_bucket" else set()))
+    return out
+
+
 @pytest.fixture(scope="module")
 def exported() -> dict[str, set[str]]:
-    return {**router_exports(), **engine_exports()}
+    return {**router_exports(), **engine_exports(), **sglang_exports()}
 
 
 def metric_names(expr: str) -> set[str]:
@@ -79,7 +116,7 @@ def problems(expr: str, exported: dict[str, set[str]]) -> list[str]:
     tree = pp.parse(expr)  # raises on a syntax error
     names = metric_names(expr)
     out = [f"unknown metric {n}" for n in sorted(names) if n not in exported]
-    if names != {s.name for s in selectors(tree) if s.name and s.name.startswith("eldr_")}:
+    if names != {s.name for s in selectors(tree) if s.name and s.name.startswith(("eldr_", "sglang:"))}:
         out.append(f"name extraction disagrees with the parser: {sorted(names)}")
     labels_of = lambda node: [exported.get(s.name, set()) | TARGET_LABELS for s in selectors(node)]  # noqa: E731
     for s in selectors(tree):
@@ -133,6 +170,10 @@ def test_exports_are_read_from_the_code(exported):
     assert exported["eldr_router_decisions_total"] == {"policy", "kind"}
     assert exported["eldr_router_request_duration_seconds_bucket"] == {"endpoint", "le"}
     assert "eldr_router_decisions" not in exported  # a counter is exposed with _total only
+    assert exported["sglang:request_time_per_output_token_seconds_bucket"] == {
+        "model_name", "engine_type", "is_streaming", "le"}
+    assert {"sglang:time_to_first_token_seconds_count", "sglang:num_running_reqs",
+            "sglang:prompt_tokens_total"} <= set(exported)
 
 
 def test_the_checker_refuses_unknown_metrics_and_labels(exported):
@@ -148,6 +189,10 @@ def test_the_checker_refuses_unknown_metrics_and_labels(exported):
         "sum by/without policy: not a label of its metrics"]
     assert problems("eldr_router_inflight > on (endpoint) eldr_router_request_duration_seconds_count", exported)
     assert problems("sum(rate(eldr_decode_steps_total[5m])) by (instance)", exported) == []
+    assert problems("rate(sglang:time_per_output_token_seconds_bucket[5m])", exported) == [
+        "unknown metric sglang:time_per_output_token_seconds_bucket"]
+    assert problems('rate(sglang:time_to_first_token_seconds_count{role="decode"}[5m])', exported) == [
+        "sglang:time_to_first_token_seconds_count has no label role"]
     with pytest.raises(Exception):
         problems("sum(rate(eldr_router_decisions_total[5m])", exported)  # unbalanced
     assert result_labels("sum by (reason) (rate(eldr_router_fallbacks_total[5m]))", exported) == {"reason"}
@@ -195,6 +240,7 @@ def test_dashboard_is_importable():
               "calibration_online"}
     assert {f"eldr_router_{w}" for w in wanted} | {"eldr_decode_unique_experts_total",
                                                    "eldr_decode_steps_total"} <= used
+    assert {"sglang:request_time_per_output_token_seconds_bucket", "sglang:time_to_first_token_seconds_bucket"} <= used
 
 
 def test_alert_rules_file():
