@@ -14,19 +14,19 @@ servers with every layer of a 48 x 128 model published (6,144 dimensions).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 import numpy as np
 import orjson
 
+from common import write_record
 from eldr_sglang.core.artifact import CalibrationArtifact
-from eldr_sglang.core.counts_codec import pack_counts
 from eldr_sglang.core.policies import RouteRequest
 from eldr_sglang.core.traces import ModelSpec
+from eldr_sglang.core.wire import build_message, http_body, parse_message
 from eldr_sglang.router.app import Router
-from eldr_sglang.router.signatures import activation, parse_message
+from eldr_sglang.router.signatures import activation
 
 
 def timed(fn, iters: int, repeats: int = 5) -> dict:
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     for i, d in enumerate(router.pool.decodes):
         d.inflight = int(rng.integers(0, 8))
     counts = rng.poisson(3.0, (args.layers, args.experts))
-    wire = orjson.dumps({"bootstrap_room": 1, "rid": "r", "layers": layers, "counts": pack_counts(counts)})
+    wire, _ = http_body(build_message(1, "r", 0, 0, layers, counts, packed=True))  # as the engine sends it
     msg = parse_message(orjson.loads(wire))
     enc = router.routing.encoder
     sig = enc.encode(msg)
@@ -100,12 +100,10 @@ def main(argv=None) -> int:
            "decision_step": timed(step, args.iters)}
     out["target_us"] = 30.0
     out["met"] = out["decide_admit_release"]["median_us"] <= out["target_us"]
-    out["command"] = "python " + " ".join(sys.argv)
     for k, v in out.items():
         print(f"{k:>16}: {v}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_record(args.json, out, argv, script=__file__)
     return 0
 
 

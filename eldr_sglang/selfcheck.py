@@ -37,8 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eldr_sglang.core.counts_codec import unpack_counts
-from eldr_sglang.patches.messages import META_KEY
-from eldr_sglang.patches.publish import RETURN_ADDRESS_KEY
+from eldr_sglang.core.wire import META_KEY, RETURN_ADDRESS_KEY
 
 TEXT = ("Quarterly results: revenue grew in the cloud segment while hardware sales declined; "
         "the board approved a dividend and a share buyback programme for the coming year.")

@@ -1,45 +1,31 @@
-"""Signature messages: what the engine sends (router, ``meta_info``, traces).
-
-``{"bootstrap_room", "rid", "prompt_tokens", "cached_tokens", "layers", "counts"}``
-(+ ``"model"`` when published), and where a request wants its own sent.
-"""
+"""Signature messages of SGLang requests (router, ``meta_info``, traces): the wire
+contract (:mod:`eldr_sglang.core.wire`) read from and built for a ``Req``."""
 
 from __future__ import annotations
 
 import torch
 
-from eldr_sglang.core.counts_codec import pack_counts
-from eldr_sglang.patches.publish import RETURN_ADDRESS_KEY
-
-META_KEY = "eldr_signature"
+from eldr_sglang.core import wire
+from eldr_sglang.core.wire import META_KEY  # noqa: F401 (the engine hooks' key)
 
 
 def signature_message(req, counts: torch.Tensor, layers: list[int], packed: bool = False,
                       model: dict | None = None) -> dict:
-    """The router's message; ``packed`` sends counts as a base64 array (publishing),
-    else as lists of rows (traces, ``meta_info``). ``model`` lets a router without an
-    artifact (``--online``) name the model of the artifact it fits."""
-    msg = {
-        "bootstrap_room": req.bootstrap_room,
-        "rid": req.rid,
-        "prompt_tokens": len(req.origin_input_ids),
-        "cached_tokens": int(getattr(req, "cached_tokens", 0) or 0),
-        "layers": layers,
-        "counts": pack_counts(counts.cpu().numpy()) if packed else counts.cpu().tolist(),
-    }
-    if model is not None:
-        msg["model"] = model
-    return msg
+    """The router's message of ``req`` (:func:`eldr_sglang.core.wire.build_message`)."""
+    return wire.build_message(req.bootstrap_room, req.rid, len(req.origin_input_ids),
+                              int(getattr(req, "cached_tokens", 0) or 0), layers,
+                              counts.cpu().numpy(), packed=packed, model=model)
+
+
+def _custom_params(req):
+    return getattr(getattr(req, "sampling_params", None), "custom_params", None)
 
 
 def return_address(req) -> str | None:
-    """Where the request's router wants its signature (``custom_params[RETURN_ADDRESS_KEY]``,
-    set by the router), else None (the ``--eldr-publish`` address); malformed means None."""
-    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-    dest = params.get(RETURN_ADDRESS_KEY) if isinstance(params, dict) else None
-    return dest if isinstance(dest, str) and dest else None
+    """Where the request's router wants its signature, else None (the ``--eldr-publish``
+    address); malformed means None."""
+    return wire.return_address(_custom_params(req))
 
 
 def wants_signature(req) -> bool:
-    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-    return isinstance(params, dict) and bool(params.get(META_KEY))
+    return wire.wants_signature(_custom_params(req))

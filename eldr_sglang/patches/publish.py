@@ -18,7 +18,8 @@ least-loaded routing for those requests. A send that failed after ``t``
 seconds (a silent host: the timeout) skips its destination for ``20 t``, so a
 dead router delays the others' messages by at most ~5% of the time.
 
-Imports neither SGLang nor torch (the router imports ``RETURN_ADDRESS_KEY``).
+The message and its framing are :mod:`eldr_sglang.core.wire`'s. Imports neither
+SGLang nor torch.
 """
 
 from __future__ import annotations
@@ -34,13 +35,10 @@ import time
 import urllib.parse
 from collections import OrderedDict
 
-import orjson
+from eldr_sglang.core import wire
+from eldr_sglang.core.wire import RETURN_ADDRESS_KEY  # noqa: F401 (where a request's router wants it)
 
 logger = logging.getLogger("eldr_sglang.publish")
-
-RETURN_ADDRESS_KEY = "eldr_signature_to"
-"""``custom_params`` key (``sampling_params.custom_params`` on ``/generate``, top-level
-``custom_params`` on the OpenAI routes) holding the router's own signature address."""
 
 MAX_DESTINATIONS = 32  # kept-open connections besides the default one (least recently used closed first)
 _BACKOFF = 20  # a send failing after t seconds skips its destination for _BACKOFF * t
@@ -168,7 +166,8 @@ class SignaturePublisher:
             cls = http.client.HTTPSConnection if ep.scheme == "https" else http.client.HTTPConnection
             ep.conn = cls(ep.host, ep.port, timeout=self.timeout)
             self.connections += 1
-        ep.conn.request("POST", ep.path, body=orjson.dumps(batch), headers={"Content-Type": "application/json"})
+        body, headers = wire.http_body(batch)
+        ep.conn.request("POST", ep.path, body=body, headers=headers)
         resp = ep.conn.getresponse()
         resp.read()
         if resp.status >= 400:
@@ -186,7 +185,7 @@ class SignaturePublisher:
             ep.poll.register(sock, select.POLLIN)
             ep.sock = sock
             self.connections += 1
-        ep.sock.sendall(b"".join(orjson.dumps(m) + b"\n" for m in batch))
+        ep.sock.sendall(wire.stream_lines(batch))
 
     def _post(self, ep: _Endpoint, batch: list[dict]) -> None:
         t0 = time.monotonic()

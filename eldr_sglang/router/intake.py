@@ -1,6 +1,6 @@
 """Signature intake: ``POST /eldr/signature`` and the TCP stream of ``--signature-port``.
 
-Both validate each message (:func:`~eldr_sglang.router.signatures.parse_message`,
+Both validate each message (:func:`~eldr_sglang.core.wire.parse_message`,
 then against the artifact's layers x experts when there is one) before it reaches
 the board, refuse messages over ``signature_max_kb``, count every refusal and log
 refusals at most once per ``LOG_EVERY`` seconds per kind (a misconfigured engine
@@ -20,8 +20,8 @@ from aiohttp import web
 
 from eldr_sglang.router.bodies import BodyError, BodyParser, read_body
 from eldr_sglang.router.metrics import RouterMetrics
-from eldr_sglang.router.signatures import (SignatureBoard, SignatureEncoder, SignatureError,
-                                           parse_message, preparse)
+from eldr_sglang.core.wire import parse_message, preparse
+from eldr_sglang.router.signatures import SignatureBoard, SignatureEncoder, SignatureError
 
 logger = logging.getLogger("eldr_sglang.router")
 LOG_EVERY = 10.0

@@ -1,16 +1,8 @@
-"""Signature messages from prefill servers: validation, the rendezvous board, encoding.
+"""Signature messages from prefill servers: the rendezvous board and encoding.
 
-Message contract (engine plugin -> router, ``POST /eldr/signature``; a list of
-messages is accepted too)::
-
-    {"bootstrap_room": int, "rid": str, "prompt_tokens": int, "cached_tokens": int,
-     "layers": [int] * n_sel, "counts": [[int] * E] * n_sel}
-
-``counts`` may also be packed (``{"dtype", "shape", "data": base64}``, see
-:mod:`eldr_sglang.core.counts_codec`), as the engine plugin sends it. Only
-``bootstrap_room``, ``layers`` and ``counts`` are required. The router turns
-counts into the unit signature vector with the calibration artifact, so a new
-artifact with the same layers needs no engine restart.
+The message contract (fields, parse, framing) is :mod:`eldr_sglang.core.wire`. The
+router turns counts into the unit signature vector with the calibration artifact,
+so a new artifact with the same layers needs no engine restart.
 """
 
 from __future__ import annotations
@@ -22,21 +14,10 @@ from collections import OrderedDict, deque
 from typing import Any, Callable, Optional
 
 import numpy as np
-import orjson
 
 from eldr_sglang.core.artifact import DEFAULT_TAU
-from eldr_sglang.core.counts_codec import unpack_counts
 from eldr_sglang.core.signature import COUNT_VARIANTS
-
-MAX_ROOM = 2**64
-MAX_RID_CHARS = 512  # SGLang's rids are 32 hex characters; a client's own rid is short too
-MAX_LAYERS = 1024  # published layers per message (a model has at most a few hundred)
-MAX_NAME_CHARS = 256
-MAX_MODEL_BYTES = 1024  # the optional ``model`` object (name, layers, experts, top-k)
-# the message contract: any other field is dropped on intake (it would be memory the
-# byte cap of the board does not see)
-FIELDS = frozenset({"bootstrap_room", "rid", "prompt_tokens", "cached_tokens", "layers", "counts",
-                    "model", "model_name"})
+from eldr_sglang.core.wire import message_bytes, parse_message  # noqa: F401 (parse_message: tests)
 
 
 class SignatureError(ValueError):
@@ -45,82 +26,6 @@ class SignatureError(ValueError):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(detail)
         self.reason = reason
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def parse_message(obj: Any) -> dict:
-    """Validate one signature message (counts become an ndarray); ValueError if malformed."""
-    if not isinstance(obj, dict):
-        raise ValueError("signature message must be a JSON object")
-    room = obj.get("bootstrap_room")
-    if not _is_int(room) or not 0 <= room < MAX_ROOM:
-        raise ValueError("bootstrap_room must be a non-negative 64-bit integer")
-    for key in [k for k in obj if k not in FIELDS]:
-        del obj[key]
-    layers = obj.get("layers")
-    if not isinstance(layers, list) or not set(map(type, layers)) <= {int}:  # C-speed; bools excluded
-        raise ValueError("layers must be a list of integers")
-    if len(layers) > MAX_LAYERS:
-        raise ValueError(f"layers: {len(layers)} entries, at most {MAX_LAYERS}")
-    rid = obj.get("rid")
-    if rid is not None and (not isinstance(rid, str) or len(rid) > MAX_RID_CHARS):
-        raise ValueError(f"rid must be a string of at most {MAX_RID_CHARS} characters")
-    _check_model_fields(obj)
-    counts = obj.get("counts")
-    if isinstance(counts, dict):
-        arr = unpack_counts(counts)
-    elif isinstance(counts, (list, np.ndarray)):
-        try:
-            arr = np.array(counts)  # one C pass; ragged rows raise ValueError
-        except (ValueError, TypeError):
-            raise ValueError("counts rows must be lists of numbers of equal length") from None
-    else:
-        raise ValueError("counts must be a list of rows (one per layer) or packed counts")
-    if arr.ndim != 2 or arr.shape[0] != len(layers) or arr.dtype.kind not in "iuf":
-        raise ValueError(f"counts must be numbers shaped [len(layers)={len(layers)}, E], "
-                         f"got shape {list(arr.shape)}")
-    obj["counts"] = arr  # kept as an array: the encoder needs no second conversion
-    for key in ("prompt_tokens", "cached_tokens"):
-        if key in obj and obj[key] is not None and not _is_int(obj[key]):
-            raise ValueError(f"{key} must be an integer")
-    return obj
-
-
-def preparse(raw: bytes) -> Any:
-    """A signature body parsed, each message validated where it can be (its counts an
-    array); the parser process runs it for big bodies (JSONDecodeError when invalid)."""
-    data = orjson.loads(raw)
-    for m in data if isinstance(data, list) else [data]:
-        try:
-            parse_message(m)
-        except ValueError:
-            pass  # validated again, refused and counted on intake
-    return data
-
-
-def _check_model_fields(obj: dict) -> None:
-    name = obj.get("model_name")
-    if name is not None and (not isinstance(name, str) or len(name) > MAX_NAME_CHARS):
-        raise ValueError(f"model_name must be a string of at most {MAX_NAME_CHARS} characters")
-    model = obj.get("model")
-    if model is not None and (not isinstance(model, dict)
-                              or len(orjson.dumps(model)) > MAX_MODEL_BYTES):
-        raise ValueError(f"model must be an object of at most {MAX_MODEL_BYTES} bytes")
-
-
-def message_bytes(msg: dict) -> int:
-    """Memory a parsed message holds: its counts array, rid, layers and model fields."""
-    counts = msg.get("counts")
-    size = counts.nbytes if isinstance(counts, np.ndarray) else 0
-    size += len(msg.get("rid") or "") + len(msg.get("model_name") or "")
-    size += 36 * len(msg.get("layers") or ())  # a list slot and an int object each
-    model = msg.get("model")
-    if isinstance(model, dict):
-        size += MAX_MODEL_BYTES
-    return size
 
 
 class SignatureBoard:

@@ -58,8 +58,7 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from eldr_sglang.core.counts_codec import pack_counts
-from eldr_sglang.patches.publish import RETURN_ADDRESS_KEY
+from eldr_sglang.core import wire
 from eldr_sglang.router.cli import run_loop
 
 
@@ -132,10 +131,6 @@ class KvHandoff:
 
     def __len__(self) -> int:
         return len(self._rooms)
-
-
-def _json_lines(msgs: list[dict]) -> bytes:
-    return b"".join(orjson.dumps(m) + b"\n" for m in msgs)
 
 
 def _items(body: dict) -> tuple[list[str], bool]:
@@ -317,11 +312,9 @@ class StubWorker:
                 ev.set()
         return web.Response(status=200)
 
-    def _counts(self, text: str):
-        counts = self.counts_fn(text)
-        if isinstance(counts, dict):  # already in the packed form
-            return counts
-        return pack_counts(counts) if self.packed_counts else counts
+    def _message(self, room: Any, rid: str, text: str) -> dict:
+        return wire.build_message(room, rid, len(text.split()), 0, self.layers, self.counts_fn(text),
+                                  packed=self.packed_counts)
 
     def _track(self, coro) -> asyncio.Task:
         t = asyncio.get_running_loop().create_task(coro)
@@ -348,7 +341,7 @@ class StubWorker:
         w = self._writers.get(dest)
         if w is not None and not w.is_closing():
             batch, self._outbox[dest] = self._outbox[dest], []
-            w.write(_json_lines(batch))
+            w.write(wire.stream_lines(batch))
         else:
             self._senders[dest] = self._track(self._send_outbox(dest))
 
@@ -364,11 +357,11 @@ class StubWorker:
                         u = urllib.parse.urlsplit(dest)
                         _, w = await asyncio.open_connection(u.hostname, u.port)
                         self._writers[dest] = w
-                    w.write(_json_lines(batch))
+                    w.write(wire.stream_lines(batch))
                     await w.drain()
                 else:
-                    async with self._session.post(dest, data=orjson.dumps(
-                            batch if len(batch) > 1 else batch[0])) as r:
+                    body, headers = wire.http_body(batch if len(batch) > 1 else batch[0])
+                    async with self._session.post(dest, data=body, headers=headers) as r:
                         await r.read()
             except (aiohttp.ClientError, OSError):
                 w = self._writers.pop(dest, None)
@@ -422,9 +415,7 @@ class StubWorker:
         dest = _return_address(body) or self.signature_url
         if (self.role == "prefill" and self.send_signature and dest
                 and (self.signature_on_failure or not fail)):
-            msgs = [{"bootstrap_room": rooms[i], "rid": rids[i], "prompt_tokens": len(texts[i].split()),
-                     "cached_tokens": 0, "layers": self.layers, "counts": self._counts(texts[i])}
-                    for i in range(n)]
+            msgs = [self._message(rooms[i], rids[i], texts[i]) for i in range(n)]
             self._publish(msgs, dest)
         if fail:
             return self._failure(rids)
@@ -481,8 +472,9 @@ def _return_address(body: dict) -> Optional[str]:
     sp = body.get("sampling_params")
     for cp in ((sp[0] if isinstance(sp, list) and sp else sp or {}).get("custom_params"),
                body.get("custom_params")):
-        if isinstance(cp, dict) and isinstance(cp.get(RETURN_ADDRESS_KEY), str):
-            return cp[RETURN_ADDRESS_KEY]
+        dest = wire.return_address(cp)
+        if dest is not None:
+            return dest
     return None
 
 
