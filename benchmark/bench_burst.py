@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,15 +33,11 @@ from pathlib import Path
 
 import aiohttp
 
+from common import free_port, write_record
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmark" / "results" / "burst.json"
 ROUTERS = ("eldr", "sglang-router")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def listen_overflows() -> int:
@@ -221,9 +215,7 @@ async def main(args) -> dict:
                 runs.append({"round": k, **row})
         return {"requests": args.requests, "decodes": args.decodes, "stub_backlog": args.stub_backlog,
                 "eldr_args": args.eldr_args, "runs": runs,
-                "summary": summarize(runs), "cpus": os.cpu_count(),
-                "load_average": os.getloadavg(),
-                "command": "python benchmark/bench_burst.py " + " ".join(sys.argv[1:])}
+                "summary": summarize(runs)}
     finally:
         for p in procs:
             stop(p)
@@ -258,5 +250,5 @@ if __name__ == "__main__":
         print(f"{name:14s} wall {s['wall_s_median']:.2f} s [{s['wall_s_min']:.2f}-{s['wall_s_max']:.2f}]"
               f"  errors {s['errors']}  listen overflows {s['listen_overflows']}")
     if not a.quick:
-        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+        write_record(a.out, result, script=__file__)
         print(f"written to {a.out}")

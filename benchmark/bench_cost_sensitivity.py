@@ -30,15 +30,13 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
+from common import command_line, fmt_mean_sd, write_record
+from eldr_sglang.sim import experiments
+from eldr_sglang.core.policies import make_policy
+from eldr_sglang.sim.cost_model import fit_moe_layer_fixed, fit_to_microbench, get_params, layer_ratio
+from eldr_sglang.sim.simulator import SimConfig, simulate
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # sibling module sweeps
-
-import sweeps  # noqa: E402
-from eldr_sglang.core.policies import make_policy  # noqa: E402
-from eldr_sglang.sim.cost_model import fit_moe_layer_fixed, fit_to_microbench, get_params, layer_ratio  # noqa: E402
-from eldr_sglang.sim.simulator import SimConfig, simulate  # noqa: E402
 
 
 def param_sets() -> dict:
@@ -63,11 +61,11 @@ def main(argv=None) -> int:
     ap.add_argument("--measure-s", type=float, default=30.0)
     args = ap.parse_args(argv)
     work = HERE.parent / ".cache" / "bench-cost-sensitivity"
-    data = sweeps.load_workload("task", HERE / "traces", work, sweeps.FULL, 600.0, 300.0)
+    data = experiments.load_workload("task", HERE / "traces", work, experiments.FULL, 600.0, 300.0)
     sets = param_sets()
     rows = []
     for seed in range(args.seeds):
-        routing = sweeps.prepare_routing(data, 16, work, sweeps.FULL, seed=seed)
+        routing = experiments.prepare_routing(data, 16, work, experiments.FULL, seed=seed)
         cfg = SimConfig(num_prefill=8, num_decode=16, rate=args.rate, warmup_s=10.0, measure_s=args.measure_s,
                         seed=seed)
         for label, params in sets.items():
@@ -81,8 +79,8 @@ def main(argv=None) -> int:
                             for q in ("median", "p99") for b in ("round_robin", "jsq")}})
         print(f"seed {seed} done", flush=True)
     out = {"simulated": True, "rate": args.rate,
-           "command": "python benchmark/bench_cost_sensitivity.py " + " ".join(argv or sys.argv[1:]), "rows": rows}
-    (HERE / "results" / "cost_sensitivity.json").write_text(json.dumps(out, indent=1))
+           "command": command_line(__file__, argv), "rows": rows}
+    write_record(HERE / "results" / "cost_sensitivity.json", out)
     md = render(rows, out["command"], args.seeds, args.rate)
     (HERE / "results" / "cost_sensitivity.md").write_text(md)
     print(md)
@@ -98,8 +96,7 @@ def render(rows: list[dict], command: str, seeds: int, rate: float) -> str:
         sel = [r for r in rows if r["params"] == label]
 
         def ms(k: str) -> str:
-            v = np.array([r[k] for r in sel])
-            return f"{v.mean():.1f} ± {v.std(ddof=1) if v.size > 1 else 0:.1f}"
+            return fmt_mean_sd([r[k] for r in sel])
         lines.append(f"| {label} | {sel[0]['ratio_128_16']:.2f} | {ms('gain_median_vs_round_robin')} | "
                      f"{ms('gain_p99_vs_round_robin')} | {ms('gain_median_vs_jsq')} | {ms('gain_p99_vs_jsq')} |")
     return "\n".join(lines) + "\n"

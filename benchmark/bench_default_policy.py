@@ -36,17 +36,17 @@ from typing import Sequence
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from common import command_line, fmt_mean_sd, write_record
+import bench_state_aware as grid_bench
+import report
+from eldr_sglang.sim import experiments
+from eldr_sglang.core.policies import PolicyContext, StateAwarePolicy, build_policy
+from eldr_sglang.core.policies.eldr_balanced import EldrBalancedPolicy
+from eldr_sglang.sim.calibration import prefill_activations
+from eldr_sglang.sim.cost_model import get_params, step_cost
+from eldr_sglang.sim.simulator import simulate
 
-import bench_state_aware as grid_bench  # noqa: E402
-import report  # noqa: E402
-import sweeps  # noqa: E402
-from eldr_sglang.core.policies import PolicyContext, StateAwarePolicy, build_policy  # noqa: E402
-from eldr_sglang.core.policies.eldr_balanced import EldrBalancedPolicy  # noqa: E402
-from eldr_sglang.sim.calibration import prefill_activations  # noqa: E402
-from eldr_sglang.sim.cost_model import get_params, step_cost  # noqa: E402
-from eldr_sglang.sim.simulator import simulate  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 CANDIDATE = "eldr_balanced"
 BALANCERS = ("round_robin", "jsq")
@@ -55,7 +55,7 @@ GOODPUT_POLICIES = ("round_robin", "jsq", "eldr", CANDIDATE)
 SHIFT_POLICIES = ("round_robin", "jsq", "eldr", "state_aware", CANDIDATE)
 SHIFT_WEIGHT = 4.0  # the most frequent label is this many times as likely as each other label
 FULL = dict(pools=(8, 16, 24), rates=(20.0, 40.0, 60.0, 80.0, 100.0), seeds=5, goodput_k=16,
-            goodput_rates=sweeps.FULL.goodput_rates, shift_k=16, shift_rates=(40.0, 80.0, 100.0))
+            goodput_rates=experiments.FULL.goodput_rates, shift_k=16, shift_rates=(40.0, 80.0, 100.0))
 QUICK = dict(pools=(8,), rates=(20.0, 60.0), seeds=2, goodput_k=8, goodput_rates=(100.0, 200.0),
              shift_k=8, shift_rates=(60.0,))
 
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # -- runs ---------------------------------------------------------------------------------------------------
-def candidate_policy(k: int, routing: sweeps.Routing, data: sweeps.WorkloadData, cost: str) -> EldrBalancedPolicy:
+def candidate_policy(k: int, routing: experiments.Routing, data: experiments.WorkloadData, cost: str) -> EldrBalancedPolicy:
     """The default policy as the router builds it, its cost law mapped onto the trace model
     (published layers, experts per trace expert, the sweep's 600 + 300/2 context tokens)."""
     params = get_params(cost)
@@ -145,7 +145,7 @@ def reference_runs(g: dict, wls: list[str]) -> list[dict]:
 def configs(a, g: dict, wls: list[str]) -> list[tuple]:
     """Every (experiment, workload, policy, SimConfig) of the benchmark."""
     base = grid_bench.base_config(a)
-    warm, window = sweeps.FULL.goodput_window if not a.quick else (2.0, 6.0)
+    warm, window = experiments.FULL.goodput_window if not a.quick else (2.0, 6.0)
     out = []
     for wl in wls:
         for seed in range(g["seeds"]):
@@ -154,7 +154,7 @@ def configs(a, g: dict, wls: list[str]) -> list[tuple]:
                     out += [("grid", wl, p, replace(base, num_decode=k, rate=rate, seed=seed))
                             for p in GRID_REFS + (CANDIDATE,)]
             for rate in g["goodput_rates"]:
-                cfg = replace(base, num_decode=g["goodput_k"], num_prefill=sweeps.FULL.goodput_prefill, rate=rate,
+                cfg = replace(base, num_decode=g["goodput_k"], num_prefill=experiments.FULL.goodput_prefill, rate=rate,
                               warmup_s=warm, measure_s=window, seed=seed)
                 out += [("goodput", wl, p, cfg) for p in GOODPUT_POLICIES]
             for rate in g["shift_rates"]:
@@ -167,7 +167,7 @@ def check_reuse(tasks: list[tuple], saved: dict, jobs: int) -> list[dict]:
     """Re-simulate seed 0 of one grid and one goodput point per workload and reference policy."""
     probe = [t for t in tasks if t[0] in ("grid", "goodput") and t[3].seed == 0 and t[2] != CANDIDATE
              and t[3].rate in (60.0, 300.0) and t[3].num_decode == 16]
-    rows = sweeps.pool_map(run_task, probe, jobs, "check reused reference runs")
+    rows = experiments.pool_map(run_task, probe, jobs, "check reused reference runs")
     out = []
     for r in rows:
         old = saved[key(r)]
@@ -231,7 +231,7 @@ def decide(runs: list[dict], g: dict, wls: list[str]) -> dict:
                     add(5, w, share >= 90.0, {"vs": "oracle", "cand": m["cand"], "other": o["other"],
                                               "diff": share, "se": 0.0, "n": o["n"]},
                         "share of the oracle's median gain over the best balancer (%)")
-        for t in sweeps.FULL.goodput_targets_ms:
+        for t in experiments.FULL.goodput_targets_ms:
             gp = goodputs(runs, wl, g["goodput_k"], t)
             lb = max(BALANCERS, key=lambda p: np.mean(list(gp[p].values())))
             d = np.array([gp[CANDIDATE][s] - gp[lb][s] for s in gp[CANDIDATE]])
@@ -270,7 +270,7 @@ def headline_lines(doc: dict) -> list[str]:
            f"- P99 TPOT better than the best balancer by {rng(rows(2, 'P99'))}"]
     for wl in g["workloads"]:
         cells = []
-        for t in sweeps.FULL.goodput_targets_ms:
+        for t in experiments.FULL.goodput_targets_ms:
             gp = goodputs(runs, wl, g["goodput_k"], t)
             m = {p: np.mean(list(v.values())) for p, v in gp.items()}
             cells.append(f"P99 <= {t:g} ms: {m[CANDIDATE]:.0f} req/s vs best balancer "
@@ -344,11 +344,10 @@ def render(doc: dict) -> str:
           "24 prefill), mean ± sd over seeds", "",
           "| workload | target | " + " | ".join(GOODPUT_POLICIES) + " |", "|---|---|" + "---|" * len(GOODPUT_POLICIES)]
     for wl in g["workloads"]:
-        for t in sweeps.FULL.goodput_targets_ms:
+        for t in experiments.FULL.goodput_targets_ms:
             gp = goodputs(runs, wl, g["goodput_k"], t)
             L.append(f"| {wl} | {t:g} ms | " + " | ".join(
-                f"{np.mean(list(gp[p].values())):.0f} ± {np.std(list(gp[p].values()), ddof=1) if len(gp[p]) > 1 else 0:.0f}"
-                for p in GOODPUT_POLICIES) + " |")
+                fmt_mean_sd(gp[p].values(), 0) for p in GOODPUT_POLICIES) + " |")
     L += ["", f"## Mix shift: calibrated on the calibration mix, served one where the most frequent label is "
           f"{SHIFT_WEIGHT:g}x as likely as each other label ({g['shift_k']} decode servers, no refit)", "",
           "| workload | req/s | policy | median TPOT | P99 TPOT | load CV | max/mean load | distinct experts | fewer than rr |",
@@ -369,18 +368,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     g = dict(QUICK if args.quick else FULL)
     out_dir = args.out_dir or (HERE.parent / ".cache" / "bench_default_policy" if args.quick else HERE / "results")
     json_path, md_path = out_dir / "default_policy.json", out_dir / "default_policy.md"
-    wls = list(sweeps.WORKLOADS)
+    wls = list(experiments.WORKLOADS)
     g["workloads"] = wls
     if args.render_only:
         doc = json.loads(json_path.read_text())
         doc["decision"] = decide(doc["runs"], doc["grid"], doc["grid"]["workloads"])
-        json_path.write_text(json.dumps(doc, indent=1, default=float) + "\n")
+        write_record(json_path, doc)
         md_path.write_text(render(doc))
         print(md_path)
         return 0
     a = grid_bench.parse_args(["--quick"] if args.quick else [])
     STATE["args"] = a
-    STATE["data"] = {wl: sweeps.load_workload(wl, a.traces_root, a.work_dir, sweeps.FULL, 600.0, 300.0) for wl in wls}
+    STATE["data"] = {wl: experiments.load_workload(wl, a.traces_root, a.work_dir, experiments.FULL, 600.0, 300.0) for wl in wls}
     tasks = configs(a, g, wls)
     saved = {} if args.quick else {key(r): r for r in reference_runs(g, wls)}
     reuse = check_reuse(tasks, saved, args.jobs) if saved else []
@@ -389,11 +388,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"saved runs that do not reproduce, simulated again: {sorted(stale)}", file=sys.stderr)
         saved = {k: r for k, r in saved.items() if (k[0], k[5]) not in stale}
     todo = [t for t in tasks if (t[0], t[1], t[3].num_decode, t[3].rate, t[3].seed, t[2]) not in saved]
-    runs = list(saved.values()) + sweeps.pool_map(run_task, todo, args.jobs, "simulate")
-    doc = {"simulated": True, "command": "python benchmark/bench_default_policy.py" + (" --quick" if args.quick else ""),
+    runs = list(saved.values()) + experiments.pool_map(run_task, todo, args.jobs, "simulate")
+    doc = {"simulated": True, "command": command_line(__file__, ["--quick"] if args.quick else []),
            "grid": g, "reuse_check": reuse, "runs": runs, "decision": decide(runs, g, wls)}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(doc, indent=1, default=float) + "\n")
+    write_record(json_path, doc)
     md_path.write_text(render(doc))
     print(md_path)
     print("default:", doc["decision"]["default"], "failed:", [(c["rule"], c["where"], c["note"]) for c in doc["decision"]["failed"]])

@@ -21,14 +21,12 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
+from common import command_line, fmt_mean_sd, write_record
+from eldr_sglang.sim import experiments
+from eldr_sglang.core.policies import make_policy
+from eldr_sglang.sim.simulator import SimConfig, simulate
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # sibling module sweeps
-
-import sweeps  # noqa: E402
-from eldr_sglang.core.policies import make_policy  # noqa: E402
-from eldr_sglang.sim.simulator import SimConfig, simulate  # noqa: E402
 
 METRICS = ("ttft_median_ms", "ttft_p99_ms", "tpot_median_ms", "tpot_p99_ms", "prefill_kv_held_tokens")
 
@@ -43,10 +41,10 @@ def main(argv=None) -> int:
     waits = [float(w) for w in args.waits.split(",")]
     rates = [float(r) for r in args.rates.split(",")]
     work = HERE.parent / ".cache" / "bench-late-binding"
-    data = sweeps.load_workload("task", HERE / "traces", work, sweeps.FULL, 600.0, 300.0)
+    data = experiments.load_workload("task", HERE / "traces", work, experiments.FULL, 600.0, 300.0)
     rows = []
     for seed in range(args.seeds):
-        routing = sweeps.prepare_routing(data, 16, work, sweeps.FULL, seed=seed)
+        routing = experiments.prepare_routing(data, 16, work, experiments.FULL, seed=seed)
         for rate in rates:
             base = SimConfig(num_prefill=8, num_decode=16, rate=rate, warmup_s=10.0, measure_s=args.measure_s,
                              seed=seed)
@@ -58,9 +56,8 @@ def main(argv=None) -> int:
                 rows.append({"seed": seed, "rate": rate, "policy": policy, "binding": binding, "wait_s": wait,
                              **{m: res.summary[m] for m in METRICS}})
         print(f"seed {seed} done", flush=True)
-    out = {"simulated": True, "command": "python benchmark/bench_late_binding.py " + " ".join(argv or sys.argv[1:]),
-           "rows": rows}
-    (HERE / "results" / "late_binding.json").write_text(json.dumps(out, indent=1))
+    out = {"simulated": True, "command": command_line(__file__, argv), "rows": rows}
+    write_record(HERE / "results" / "late_binding.json", out)
     md = render(rows, out["command"], args.seeds)
     (HERE / "results" / "late_binding.md").write_text(md)
     print(md)
@@ -77,8 +74,7 @@ def render(rows: list[dict], command: str, seeds: int) -> str:
         sel = [r for r in rows if (r["rate"], r["policy"], r["binding"], r["wait_s"]) == (rate, policy, binding, wait)]
 
         def ms(m: str, digits: int = 1) -> str:
-            v = np.array([r[m] for r in sel])
-            return f"{v.mean():.{digits}f} ± {v.std(ddof=1) if v.size > 1 else 0:.{digits}f}"
+            return fmt_mean_sd([r[m] for r in sel], digits)
         lines.append(f"| {rate:g} | {policy} | {binding} | {1e3 * wait:g} | {ms('ttft_median_ms')} | "
                      f"{ms('ttft_p99_ms')} | {ms('tpot_median_ms', 2)} | {ms('tpot_p99_ms', 2)} | "
                      f"{ms('prefill_kv_held_tokens', 0)} |")

@@ -30,15 +30,15 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # sibling module sweeps
+from common import command_line, fmt_mean_sd, write_record
+from eldr_sglang.sim import experiments
+from eldr_sglang.core.policies import make_policy
+from eldr_sglang.core.step_sets import independent_distinct, load_step_experts, true_distinct
+from eldr_sglang.core.traces import load_traces
+from eldr_sglang.sim.simulator import SimConfig, simulate
+from eldr_sglang.sim.workload import build_workload, decode_step_probs, label_kind_for
 
-import sweeps  # noqa: E402
-from eldr_sglang.core.policies import make_policy  # noqa: E402
-from eldr_sglang.core.step_sets import independent_distinct, load_step_experts, true_distinct  # noqa: E402
-from eldr_sglang.core.traces import load_traces  # noqa: E402
-from eldr_sglang.sim.simulator import SimConfig, simulate  # noqa: E402
-from eldr_sglang.sim.workload import build_workload, decode_step_probs, label_kind_for  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 BATCHES = (4, 16, 64, 128, 256)
 GROUPINGS = ("mixed", "eldr", "label")
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=HERE / "results" / "long_decodes.json")
     args = ap.parse_args(argv)
     work = HERE.parent / ".cache" / "bench-long-decodes"
-    result = {"command": "python benchmark/bench_long_decodes.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    result = {"command": command_line(__file__, argv),
               "simulated_part": "section 2 is SIMULATED (cost model qwen3-30b-a3b-mi300x); section 1 is measured "
                                 "on the recorded per-step sets", "workloads": {}}
     for name in args.workloads.split(","):
@@ -115,14 +115,14 @@ def main(argv=None) -> int:
         kind = label_kind_for(evaluation, name)
         sim_indep = build_workload(evaluation, kind, name, 600.0, None)
         sim_replay = replace(sim_indep, step_experts=steps)
-        data = sweeps.WorkloadData(name, f"long decodes ({eval_dir})", calib, evaluation, calib_dir, sim_indep)
+        data = experiments.WorkloadData(name, f"long decodes ({eval_dir})", calib, evaluation, calib_dir, sim_indep)
         wl = {"requests": len(evaluation), "decode_steps": int(steps.shape[1]), "layers": int(steps.shape[2]),
               "model": evaluation.model.name, "error": [], "sim": []}
         rep = eval_dir / "repetition.json"
         if rep.is_file():
             wl["repetition"] = json.loads(rep.read_text())
         for seed in range(args.seeds):
-            routing = sweeps.prepare_routing(data, 16, work, sweeps.FULL, seed=seed)
+            routing = experiments.prepare_routing(data, 16, work, experiments.FULL, seed=seed)
             best = np.argmax(routing.eldr_signatures @ routing.eldr_centroids.T, axis=1)
             labels = np.asarray(evaluation.labels[kind])
             groups = {"eldr": {str(c): np.flatnonzero(best == c) for c in np.unique(best)},
@@ -142,16 +142,11 @@ def main(argv=None) -> int:
             print(f"{name}: seed {seed} done", flush=True)
         result["workloads"][name] = wl
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1))
+    write_record(args.json, result)
     md = render(result)
     args.json.with_suffix(".md").write_text(md)
     print(md)
     return 0
-
-
-def _ms(values) -> str:
-    a = np.asarray(values, dtype=float)
-    return f"{a.mean():.1f} ± {a.std(ddof=1) if a.size > 1 else 0.0:.1f}"
 
 
 def render(result: dict) -> str:
@@ -172,9 +167,9 @@ def render(result: dict) -> str:
         keys = sorted({(r["grouping"], r["batch"]) for r in err}, key=lambda k: (GROUPINGS.index(k[0]), k[1]))
         for g, b in keys:
             rs = [r for r in err if r["grouping"] == g and r["batch"] == b]
-            lines.append(f"| {g} | {b} | {_ms([r['true_distinct'] for r in rs])} | "
-                         f"{_ms([r['approx_distinct'] for r in rs])} | {_ms([r['rel_error_mean_pct'] for r in rs])} | "
-                         f"{_ms([r['rel_error_abs_p95_pct'] for r in rs])} |")
+            lines.append(f"| {g} | {b} | {fmt_mean_sd([r['true_distinct'] for r in rs])} | "
+                         f"{fmt_mean_sd([r['approx_distinct'] for r in rs])} | {fmt_mean_sd([r['rel_error_mean_pct'] for r in rs])} | "
+                         f"{fmt_mean_sd([r['rel_error_abs_p95_pct'] for r in rs])} |")
         lines += ["", "Fewer distinct experts when grouped than mixed (%), truth vs approximation:", "",
                   "| grouping | batch | true | independence |", "|---|---|---|---|"]
         per_seed = {}
@@ -182,8 +177,8 @@ def render(result: dict) -> str:
             for g in grouping_gain([r for r in err if r["seed"] == seed]):
                 per_seed.setdefault((g["grouping"], g["batch"]), []).append(g)
         for (g, b), rs in per_seed.items():
-            lines.append(f"| {g} | {b} | {_ms([r['true_reduction_pct'] for r in rs])} | "
-                         f"{_ms([r['approx_reduction_pct'] for r in rs])} |")
+            lines.append(f"| {g} | {b} | {fmt_mean_sd([r['true_reduction_pct'] for r in rs])} | "
+                         f"{fmt_mean_sd([r['approx_reduction_pct'] for r in rs])} |")
         lines += ["", "### 2. SIMULATED: ELDR vs round robin, 16 decode servers", "",
                   "| req/s | decode model | RR median TPOT ms | ELDR median TPOT ms | ELDR median gain % | "
                   "ELDR P99 gain % | distinct/step RR | distinct/step ELDR | mean batch |",
@@ -196,10 +191,10 @@ def render(result: dict) -> str:
                 rr, el = pick("round_robin"), pick("eldr")
                 med = [100 * (a["tpot_median_ms"] - b["tpot_median_ms"]) / a["tpot_median_ms"] for a, b in zip(rr, el)]
                 p99 = [100 * (a["tpot_p99_ms"] - b["tpot_p99_ms"]) / a["tpot_p99_ms"] for a, b in zip(rr, el)]
-                lines.append(f"| {rate:g} | {mode} | {_ms([r['tpot_median_ms'] for r in rr])} | "
-                             f"{_ms([r['tpot_median_ms'] for r in el])} | {_ms(med)} | {_ms(p99)} | "
-                             f"{_ms([r['unique_experts_per_step'] for r in rr])} | "
-                             f"{_ms([r['unique_experts_per_step'] for r in el])} | {_ms([r['mean_batch'] for r in el])} |")
+                lines.append(f"| {rate:g} | {mode} | {fmt_mean_sd([r['tpot_median_ms'] for r in rr])} | "
+                             f"{fmt_mean_sd([r['tpot_median_ms'] for r in el])} | {fmt_mean_sd(med)} | {fmt_mean_sd(p99)} | "
+                             f"{fmt_mean_sd([r['unique_experts_per_step'] for r in rr])} | "
+                             f"{fmt_mean_sd([r['unique_experts_per_step'] for r in el])} | {fmt_mean_sd([r['mean_batch'] for r in el])} |")
         lines.append("")
     return "\n".join(lines)
 

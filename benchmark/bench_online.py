@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
+from common import command_line, fmt_mean_sd, write_record
 from eldr_sglang.core.layer_selection import spread_layers  # noqa: E402
 from eldr_sglang.core.online import OnlineCalibrator, OnlineSettings, run_fit  # noqa: E402
 from eldr_sglang.core.policies import make_policy  # noqa: E402
@@ -205,11 +205,6 @@ def reduction(cell: dict, policy: str) -> float:
     return 1.0 - cell[policy]["unique_experts_per_step"] / cell["jsq"]["unique_experts_per_step"]
 
 
-def mean_sd(values) -> str:
-    v = np.asarray(values, dtype=float)
-    return f"{100 * v.mean():.1f} ± {100 * v.std(ddof=1 if v.size > 1 else 0):.1f}"
-
-
 def render(results: dict, command: str) -> str:
     seeds = results["seeds"]
     cells = {"(a) cold start, K=16, from request 2,000": [r["cold"] for r in seeds],
@@ -229,7 +224,8 @@ def render(results: dict, command: str) -> str:
         red = {p: [reduction(c, p) for c in cs] for p in ("static", "online", "oracle")}
         ratio = np.mean(red["online"]) / max(np.mean(red["oracle"]), 1e-9)
         tp = lambda p, q: np.mean([c[p][q] for c in cs])  # noqa: E731
-        lines.append(f"| {name} | {mean_sd(red['static'])} | {mean_sd(red['online'])} | {mean_sd(red['oracle'])} | "
+        pct = [fmt_mean_sd(red[k], scale=100) for k in ("static", "online", "oracle")]
+        lines.append(f"| {name} | {pct[0]} | {pct[1]} | {pct[2]} | "
                      f"{ratio:.2f} | {tp('static', 'tpot_median_ms'):.2f} / {tp('online', 'tpot_median_ms'):.2f} / "
                      f"{tp('jsq', 'tpot_median_ms'):.2f} | {tp('static', 'tpot_p99_ms'):.2f} / "
                      f"{tp('online', 'tpot_p99_ms'):.2f} / {tp('jsq', 'tpot_p99_ms'):.2f} | "
@@ -270,8 +266,7 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     data = Data(Path(args.traces))
-    command = "python benchmark/bench_online.py" + " " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    results = {"command": command.strip(), "simulated": True, "seeds": []}
+    results = {"command": command_line(__file__, argv), "simulated": True, "seeds": []}
     t0 = time.perf_counter()
     for seed in range(n_seeds):
         r = {"seed": seed,
@@ -282,7 +277,7 @@ def main(argv=None) -> int:
              "scale_in": scenario_scale(data, seed, work, args.quick, 24, 16)}
         results["seeds"].append(r)
         print(f"seed {seed} done ({time.perf_counter() - t0:.0f} s)", flush=True)
-        (out_dir / "online.json").write_text(json.dumps(results, indent=1, default=float))
+        write_record(out_dir / "online.json", results)
     md = render(results, results["command"])
     (out_dir / "online.md").write_text(md)
     print(md)

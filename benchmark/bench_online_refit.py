@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 
 import numpy as np
 
+from common import write_record
 from eldr_sglang.core.online import run_fit
 from eldr_sglang.core.policies import RouteRequest
 from eldr_sglang.core.synthetic import make_synthetic_traces
@@ -100,16 +100,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.signatures < args.servers or args.servers < 1:
         ap.error("--signatures must be >= --servers >= 1")
-    out = {"command": "python benchmark/bench_online_refit.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "signatures": args.signatures, "servers": args.servers,
+    out = {"signatures": args.signatures, "servers": args.servers,
            "runs": [asyncio.run(measure(args, mode)) for mode in ("process", "thread")]}
     for r in out["runs"]:
         print(f"fit in a {r['fit_in']}: {r['fit_seconds']} s (generation {r['generation']})")
         for name in ("idle", "during_fit"):
             print(f"  {name:>10}: decide {r[name]['decide']}  loop lag {r[name]['loop_lag']}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_record(args.json, out, argv, script=__file__)
     return 0
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common import write_record
 from eldr_sglang import calibrate
 from eldr_sglang.core.artifact import load_artifact
 from eldr_sglang.core.synthetic import make_synthetic_traces
@@ -166,7 +167,7 @@ def main(argv=None) -> int:
               "ep_size": args.ep_size, "redundant": args.redundant, "batch_size": args.batch_size,
               "batches_per_server": args.batches, "eval_requests": len(evals), "rows": rows,
               "gap_to_bound": {"mean": float(np.mean(gaps)), "max": float(np.max(gaps))}}
-    Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    write_record(args.json, report, argv, script=__file__)
     print(f"written {args.json}")
     return 0
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 from dataclasses import replace
@@ -50,18 +49,18 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from common import command_line, mean_sd, write_record
+from eldr_sglang.sim import experiments
+from eldr_sglang.core.artifact import load_artifact
+from eldr_sglang.core.policies import Policy, PolicyContext, RouteRequest, build_policy
+from eldr_sglang.core.predictor import SignaturePredictor, table_bytes
+from eldr_sglang.core.traces import TraceSet, load_traces
+from eldr_sglang.prompts import join_prompt_ids, read_prompt_ids
+from eldr_sglang.sim.calibration import calibrate_artifact
+from eldr_sglang.sim.simulator import SimConfig, simulate
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))  # sibling module sweeps
-
-import sweeps  # noqa: E402
-from eldr_sglang.core.artifact import load_artifact  # noqa: E402
-from eldr_sglang.core.policies import Policy, PolicyContext, RouteRequest, build_policy  # noqa: E402
-from eldr_sglang.core.predictor import SignaturePredictor, table_bytes  # noqa: E402
-from eldr_sglang.core.traces import TraceSet, load_traces  # noqa: E402
-from eldr_sglang.prompts import join_prompt_ids, read_prompt_ids  # noqa: E402
-from eldr_sglang.sim.calibration import calibrate_artifact  # noqa: E402
-from eldr_sglang.sim.simulator import SimConfig, simulate  # noqa: E402
 
 K = 16
 TAU = 0.1
@@ -252,8 +251,8 @@ def activations_of(counts: np.ndarray, prompt_tokens: np.ndarray) -> np.ndarray:
 
 
 def simulate_workload(root: Path, workload: str, work: Path, grid: dict, policies: list[str], alpha: float,
-                      late_wait: float, sweep: sweeps.SweepConfig) -> list[dict]:
-    data = sweeps.load_workload(workload, root, work, sweep, 600.0, 300.0)
+                      late_wait: float, sweep: experiments.SweepConfig) -> list[dict]:
+    data = experiments.load_workload(workload, root, work, sweep, 600.0, 300.0)
     _, cids = split_with_ids(root, workload, "calib")
     ev, eids = split_with_ids(root, workload, "eval")
     if len(ev) != len(data.evaluation) or list(ev.request_ids) != list(data.evaluation.request_ids):
@@ -261,7 +260,7 @@ def simulate_workload(root: Path, workload: str, work: Path, grid: dict, policie
     rowwise = replace(data.sim, labels=np.array([str(i) for i in range(len(data.sim))]))
     rows = []
     for seed in range(grid["seeds"]):
-        routing = sweeps.prepare_routing(data, K, work / f"seed{seed}", sweep, seed=seed)
+        routing = experiments.prepare_routing(data, K, work / f"seed{seed}", sweep, seed=seed)
         art = load_artifact(work / f"seed{seed}" / "artifacts" / f"{workload}-K{K}-seed{seed}.json")
         pred = SignaturePredictor("ridge", alpha).fit(cids, data.calib.prefill_counts[:, art.layers])
         pcounts = pred.predict_many(eids)
@@ -311,8 +310,7 @@ def summarise(rows: list[dict], policies: list[str]) -> dict:
             runs = {}
             for run in dict.fromkeys(r["run"] for r in sel):
                 v = [r for r in sel if r["run"] == run]
-                runs[run] = {m: [float(np.mean([x[m] for x in v])), float(np.std([x[m] for x in v], ddof=1))
-                                 if len(v) > 1 else 0.0] for m in METRICS} | {"n": len(v)}
+                runs[run] = {m: list(mean_sd(x[m] for x in v)) for m in METRICS} | {"n": len(v)}
             best = min(BALANCERS, key=lambda b: runs[f"{b}/early"]["tpot_median_ms"][0])
             point = {"runs": runs, "best_balancer": best, "policies": {}}
             for p in policies:
@@ -427,15 +425,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         doc = json.loads(path.read_text())
         if doc.get("runs"):
             doc["simulation"] = summarise(doc["runs"], doc["policies"])
-        path.write_text(json.dumps(doc, indent=1) + "\n")
+        write_record(path, doc)
         (out_dir / "predicted_signatures.md").write_text(render(doc))
         print(render(doc))
         return 0
-    sweep = sweeps.QUICK if a.quick else sweeps.FULL
+    sweep = experiments.QUICK if a.quick else experiments.FULL
     sweep = replace(sweep, calib_pairs=grid["pairs"])
     t0 = time.time()
-    doc: dict = {"simulated_sections": ["simulation"], "command": "python benchmark/bench_predicted_signatures.py "
-                 + " ".join(argv if argv is not None else sys.argv[1:]), "grid": {**grid, "K": K, "tau": TAU},
+    doc: dict = {"simulated_sections": ["simulation"], "command": command_line(__file__, argv),
+                 "grid": {**grid, "K": K, "tau": TAU},
                  "policies": policies, "late_wait_s": a.late_wait, "accuracy": [], "cost": []}
     for root in [a.traces_root, *a.extra_models]:
         for wl in workloads:
@@ -468,10 +466,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                       f"{'n/a' if k is None else format(100 * k, '.0f') + '%'} of late's median-TPOT gain over "
                       f"{point['best_balancer']}; TTFT p50 -{s['ttft_saved_median_ms']:.1f} ms", flush=True)
     doc["wall_s"] = round(time.time() - t0, 1)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / "predicted_signatures.json.tmp"
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, out_dir / "predicted_signatures.json")
+    write_record(out_dir / "predicted_signatures.json", doc)
     (out_dir / "predicted_signatures.md").write_text(render(doc))
     print(f"written {out_dir / 'predicted_signatures.json'} and .md in {doc['wall_s']} s")
     return 0

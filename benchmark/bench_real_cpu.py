@@ -34,12 +34,13 @@ from pathlib import Path
 
 import numpy as np
 
+from common import command_line, write_record
+from measured import real_cpu_table
+from eldr_sglang.core.policies import policy_spec
+from eldr_sglang.demo import DEFAULT_MODEL, DEFAULT_WORKLOAD, calibration_artifact, decode_counters
+from eldr_sglang.testing import local_cluster as lc
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmark"))  # sibling module measured
-from measured import real_cpu_table  # noqa: E402
-from eldr_sglang.core.policies import policy_spec  # noqa: E402
-from eldr_sglang.demo import DEFAULT_MODEL, DEFAULT_WORKLOAD, calibration_artifact, decode_counters  # noqa: E402
-from eldr_sglang.testing import local_cluster as lc  # noqa: E402
 
 POLICIES = ["round_robin", "random", "jsq", "p2c", "eldr", "state_aware"]
 FIGURES = ("completed", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "output_throughput")
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         cluster.stop()
     base = "eldr-router/round_robin" if "round_robin" in args.policies else rows[0]["router"]
-    result = {"command": "python benchmark/bench_real_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    result = {"command": command_line(__file__, argv),
               "measured": "real SGLang CPU servers (2-core machine); CPU TPOT does not stand for GPU TPOT",
               "decodes": args.decodes, "num_prompts": args.num_prompts, "output_len": args.output_len,
               "request_rate": args.request_rate, "repeats": args.repeats,
@@ -216,8 +217,7 @@ def main(argv: list[str] | None = None) -> int:
               "equal_batch": equal_batch(rows, base), "step_time_fit": step_time_fit(rows), "runs": rows}
     print("\n".join(real_cpu_table(result)))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+        write_record(args.json, result)
         print(f"-> {args.json}")
     return 0
 

@@ -47,7 +47,6 @@ import os
 import platform
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -58,7 +57,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
+from common import free_port, write_record
 from eldr_sglang.router.metrics import histogram_quantiles
+from eldr_sglang.testing.toy_artifact import save_toy_artifact
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -72,12 +73,6 @@ TARGETS = {"eldr_throughput_ratio": 0.7, "eldr_w2_throughput_ratio": 1.0, "added
 
 
 # ------------------------------------------------------------------ processes
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _child_setup() -> None:
     """In the child before exec: SIGTERM when this benchmark dies (Linux)."""
     try:
@@ -215,16 +210,8 @@ def preflight_stream(url: str) -> tuple[bool, str]:
 # ------------------------------------------------------------------ setup
 def make_artifact(path: Path) -> str:
     """The toy calibration artifact matching the stubs' default layers (0,1) x 8
-    experts, 4 clusters = 4 decode servers (as tests/integration/helpers.py: save_artifact)."""
-    from eldr_sglang.core.artifact import CalibrationArtifact
-    from eldr_sglang.core.traces import ModelSpec
-    from eldr_sglang.testing.stub_worker import ToyArtifact
-
-    toy = ToyArtifact(layers=[0, 1], num_clusters=N_DECODES)
-    art = CalibrationArtifact(model=ModelSpec("toy-moe", 4, 8, 2), variant="idf", layers=[0, 1],
-                              idf=toy.idf, centroids=toy.centroids, tau=0.1)
-    art.save(path)
-    return str(path)
+    experts, 4 clusters = 4 decode servers."""
+    return save_toy_artifact(path, N_DECODES)
 
 
 def stub_cmd(role: str, port: int, name: str) -> list[str]:
@@ -602,8 +589,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         procs.stop_all()
         doc["wall_s"] = round(time.monotonic() - t_start, 1)
         if args.json and doc["runs"]:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(doc, indent=1, default=str))
+            write_record(args.json, doc, argv, script=__file__)
             print(f"\nwrote {args.json} ({doc['wall_s']:.0f}s in all)")
         if args.keep_logs or rc not in (0, 130):
             print(f"logs kept in {logdir}")

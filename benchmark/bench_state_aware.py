@@ -10,7 +10,7 @@ decode servers K in {8, 16, 24} with 8 prefill servers (as ``benchmark/report.py
 pool sweep), 20-100 req/s, seeds 0-4, policies round_robin, jsq, domain, eldr
 (tau 0.1), state_aware and the oracle grouping. Seed ``s`` is the simulator's seed
 (arrival times and which trace request each arrival replays; every policy sees the
-same requests for a seed) AND the calibration seed of ``sweeps.prepare_routing``
+same requests for a seed) AND the calibration seed of ``experiments.prepare_routing``
 (ELDR artifact, oracle grouping) for each (workload, K).
 
 ``state_aware`` is ``StateAwarePolicy(K, cost=step_cost(params, len(layers),
@@ -40,15 +40,15 @@ from typing import Sequence
 
 import numpy as np
 
+from common import mean_sd, write_record
+from eldr_sglang.sim import experiments
+from eldr_sglang.core.policies import StateAwarePolicy
+from eldr_sglang.sim.calibration import prefill_activations
+from eldr_sglang.sim.cost_model import PARAM_SETS, get_params, step_cost
+from eldr_sglang.sim.simulator import SimConfig, simulate
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))  # sibling modules of benchmark/ (sweeps)
-
-import sweeps  # noqa: E402
-from eldr_sglang.core.policies import StateAwarePolicy  # noqa: E402
-from eldr_sglang.sim.calibration import prefill_activations  # noqa: E402
-from eldr_sglang.sim.cost_model import PARAM_SETS, get_params, step_cost  # noqa: E402
-from eldr_sglang.sim.simulator import SimConfig, simulate  # noqa: E402
 
 POLICIES = ("round_robin", "jsq", "domain", "eldr", "state_aware", "oracle")
 TAU = 0.1
@@ -100,8 +100,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     a.warmup = a.warmup_s if a.warmup_s is not None else grid["warmup_s"]
     a.measure = a.measure_s if a.measure_s is not None else grid["measure_s"]
     a.workload_list = [w.strip() for w in a.workloads.split(",") if w.strip()]
-    if not a.workload_list or any(w not in sweeps.WORKLOADS for w in a.workload_list):
-        ap.error(f"--workloads: choose from {', '.join(sweeps.WORKLOADS)}")
+    if not a.workload_list or any(w not in experiments.WORKLOADS for w in a.workload_list):
+        ap.error(f"--workloads: choose from {', '.join(experiments.WORKLOADS)}")
     if a.cost not in PARAM_SETS:
         ap.error(f"--cost {a.cost!r} unknown")
     if not a.seed_list or not a.pool_list or not a.rate_list or a.measure <= 0 or a.warmup < 0:
@@ -122,12 +122,12 @@ def settings_of(a: argparse.Namespace) -> dict:
     """What a run's numbers depend on (besides its coordinates); --resume insists they match."""
     return {"cost": a.cost, "num_prefill": NUM_PREFILL, "warmup_s": a.warmup, "measure_s": a.measure,
             "mean_prompt_tokens": a.mean_prompt_tokens, "mean_output_tokens": a.mean_output_tokens,
-            "tau": TAU, "calib_pairs": sweeps.FULL.calib_pairs, "calib_n_init": sweeps.FULL.calib_n_init,
+            "tau": TAU, "calib_pairs": experiments.FULL.calib_pairs, "calib_n_init": experiments.FULL.calib_n_init,
             "traces_root": str(a.traces_root)}
 
 
 def git_state() -> dict:
-    """HEAD and whether the code the runs use (eldr_sglang/, benchmark/sweeps.py) differs from it."""
+    """HEAD and whether the code the runs use (eldr_sglang/) differs from it."""
     import subprocess
 
     def git(*args: str) -> str:
@@ -136,7 +136,7 @@ def git_state() -> dict:
         except (OSError, subprocess.SubprocessError):
             return ""
     return {"head": git("rev-parse", "HEAD"),
-            "code_modified": git("status", "--porcelain", "--", "eldr_sglang", "benchmark/sweeps.py").splitlines()}
+            "code_modified": git("status", "--porcelain", "--", "eldr_sglang").splitlines()}
 
 
 def key_of(r: dict) -> tuple:
@@ -154,14 +154,14 @@ def _fingerprint(*paths: Path) -> str:
     return h.hexdigest()[:12]
 
 
-def routing_for(data: sweeps.WorkloadData, k: int, seed: int, a: argparse.Namespace) -> sweeps.Routing:
-    """``sweeps.prepare_routing`` with calibration seed ``seed``, cached under the work dir."""
+def routing_for(data: experiments.WorkloadData, k: int, seed: int, a: argparse.Namespace) -> experiments.Routing:
+    """``experiments.prepare_routing`` with calibration seed ``seed``, cached under the work dir."""
     fp = _fingerprint(a.traces_root / data.name)
-    cache = a.work_dir / "routing" / f"{data.name}-K{k}-seed{seed}-{fp}-p{sweeps.FULL.calib_pairs}.pkl"
+    cache = a.work_dir / "routing" / f"{data.name}-K{k}-seed{seed}-{fp}-p{experiments.FULL.calib_pairs}.pkl"
     if cache.is_file():
         with open(cache, "rb") as f:
             return pickle.load(f)
-    routing = sweeps.prepare_routing(data, k, a.work_dir / f"seed{seed}", sweeps.FULL, seed=seed)
+    routing = experiments.prepare_routing(data, k, a.work_dir / f"seed{seed}", experiments.FULL, seed=seed)
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(".tmp")
     with open(tmp, "wb") as f:
@@ -171,10 +171,10 @@ def routing_for(data: sweeps.WorkloadData, k: int, seed: int, a: argparse.Namesp
 
 
 # -- one run ------------------------------------------------------------------------------------------------
-def run_point(data: sweeps.WorkloadData, routing: sweeps.Routing, acts: np.ndarray, policy: str,
+def run_point(data: experiments.WorkloadData, routing: experiments.Routing, acts: np.ndarray, policy: str,
               cfg: SimConfig) -> dict:
     if policy != "state_aware":
-        row = sweeps.run_one(data, routing, policy, cfg, TAU)
+        row = experiments.run_one(data, routing, policy, cfg, TAU)
     else:
         params = get_params(cfg.cost)
         pol = StateAwarePolicy(cfg.num_decode, cost=step_cost(params, len(routing.layers),
@@ -198,7 +198,7 @@ def base_config(a: argparse.Namespace) -> SimConfig:
 
 
 # -- time estimate ------------------------------------------------------------------------------------------
-def estimate(a: argparse.Namespace, data: sweeps.WorkloadData) -> dict:
+def estimate(a: argparse.Namespace, data: experiments.WorkloadData) -> dict:
     """Time short runs (ELDR and state_aware, each K, lowest and highest rate) and scale by simulated seconds.
 
     A run's wall time is about (steps in warm-up + window + drain) x cost per step; the
@@ -231,10 +231,7 @@ def estimate(a: argparse.Namespace, data: sweeps.WorkloadData) -> dict:
 
 # -- saving -------------------------------------------------------------------------------------------------
 def save(path: Path, doc: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_record(path, doc)
 
 
 # -- analysis -----------------------------------------------------------------------------------------------
@@ -247,9 +244,7 @@ def stats(runs: list[dict], **where) -> dict | None:
         return None
     out = {"n": len(rows), "seeds": sorted(r["seed"] for r in rows)}
     for m in METRICS + ("ttft_median_ms", "ttft_p99_ms"):
-        v = np.array([r[m] for r in rows], dtype=float)
-        out[m] = float(v.mean())
-        out[m + "_sd"] = float(v.std(ddof=1)) if v.size > 1 else 0.0
+        out[m], out[m + "_sd"] = mean_sd(r[m] for r in rows)
     return out
 
 
@@ -261,7 +256,8 @@ def paired(runs: list[dict], metric: str, wl: str, k: int, rate: float, a: str =
     if not seeds:
         return None
     d = np.array([ra[s] - rb[s] for s in seeds])
-    return {"mean": float(d.mean()), "sd": float(d.std(ddof=1)) if d.size > 1 else 0.0, "n": int(d.size),
+    mean, sd = mean_sd(d)
+    return {"mean": mean, "sd": sd, "n": int(d.size),
             "a_wins": int((d < 0).sum()), "rel_pct": float(100.0 * d.mean() / np.mean([rb[s] for s in seeds]))}
 
 
@@ -371,7 +367,7 @@ def render(doc: dict) -> str:
     w(f"- lengths rescaled to means {st['mean_prompt_tokens']:g}/{st['mean_output_tokens']:g} prompt/output "
       "tokens (as report.py); other SimConfig fields at their defaults (max batch 256, KV 1M tokens)")
     w("- seed s = the simulator's seed (arrival times and which trace request each arrival replays: every policy "
-      "sees the same requests for a seed) **and** the calibration seed (`sweeps.prepare_routing(..., seed=s)`: "
+      "sees the same requests for a seed) **and** the calibration seed (`experiments.prepare_routing(..., seed=s)`: "
       "ELDR artifact and oracle grouping recalibrated per seed, per workload and K); Domain's map does not "
       "depend on the seed")
     w(f"- policies: round_robin, jsq, domain (label partition), eldr (band rule, tau {st['tau']:g}), state_aware "
@@ -595,7 +591,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     datas = {}
     for wl in a.workload_list:
-        datas[wl] = sweeps.load_workload(wl, a.traces_root, a.work_dir, sweeps.FULL,
+        datas[wl] = experiments.load_workload(wl, a.traces_root, a.work_dir, experiments.FULL,
                                          a.mean_prompt_tokens or None, a.mean_output_tokens or None)
         doc["sources"][wl] = datas[wl].source
         if "SYNTHETIC" in datas[wl].source:

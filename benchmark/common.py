@@ -65,18 +65,30 @@ def machine_facts() -> dict[str, Any]:
             "cpus": os.cpu_count(), "load_average": list(os.getloadavg())}
 
 
+def _json_default(obj: Any) -> Any:
+    """numpy scalars as numbers, anything else JSON cannot write (paths ...) as text."""
+    try:
+        return float(obj)
+    except (TypeError, ValueError):
+        return str(obj)
+
+
 def write_record(path: str | os.PathLike, doc: dict, argv: Sequence[str] | None = None, *,
                  script: str | os.PathLike | None = None) -> dict:
     """Write ``doc`` as JSON after the command line, the time (UTC) and the machine facts; returns the record.
 
-    ``script`` defaults to ``sys.argv[0]``; a ``"command"`` already in ``doc`` wins.
+    ``script`` defaults to ``sys.argv[0]``; a ``"command"`` already in ``doc`` wins. The
+    file is replaced atomically, so a run that writes after every step never leaves half a file.
     """
-    record = {"command": command_line(script or sys.argv[0], argv),
+    record = {"command": doc.get("command") or command_line(script or sys.argv[0], argv),
               "recorded_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine_facts(), **doc}
+              "machine": machine_facts()}
+    record.update((k, v) for k, v in doc.items() if k not in record)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1, default=float) + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1, default=_json_default) + "\n")
+    os.replace(tmp, path)
     return record
 
 

@@ -14,13 +14,13 @@ figure on whatever hardware runs it; ``benchmark/report.py`` compares its shape
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Sequence
+
+from common import write_record
 
 
 def _int_list(text: str) -> list[int]:
@@ -218,8 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(str(exc))
     print(table(result))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        write_record(args.json, result, argv, script=__file__)
         print(f"written {args.json}")
     return 0
 

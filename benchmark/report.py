@@ -4,7 +4,7 @@
     python benchmark/report.py --quick    # tiny configuration (seconds; CI)
 
 Runs the MoE-layer microbenchmark (measured, on this machine's CPU), the sweeps of
-``benchmark/sweeps.py`` on the discrete-event simulator (simulated), and writes
+``eldr_sglang/sim/experiments.py`` on the discrete-event simulator (simulated), and writes
 ``RESULTS.md``, ``results/*.png`` and ``results/*.json`` under ``--out-dir``.
 Nothing in RESULTS.md is typed by hand.
 """
@@ -25,13 +25,13 @@ from typing import Sequence
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # sibling modules of benchmark/ (measured, sweeps)
-
-import measured  # noqa: E402
-import sweeps  # noqa: E402
-from eldr_sglang.sim.cost_model import (PAPER_EXPERT_RATIO, PARAM_SETS, get_params,  # noqa: E402
+from common import mean_sd, write_record
+import measured
+from eldr_sglang.sim import experiments
+from eldr_sglang.sim.cost_model import (PAPER_EXPERT_RATIO, PARAM_SETS, get_params,
                                         moe_layer_time)
+
+HERE = Path(__file__).resolve().parent
 
 PAPER = {  # the paper's numbers (docs/PAPER.md); ranges over loads
     "task_eldr_vs_lb_median": (7.0, 13.9), "task_eldr_vs_lb_p99": (3.4, 6.0),
@@ -86,9 +86,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.jobs < 1:
         ap.error(f"--jobs must be >= 1, got {args.jobs}")
     wl = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    bad = [w for w in wl if w not in sweeps.WORKLOADS]
+    bad = [w for w in wl if w not in experiments.WORKLOADS]
     if not wl or bad:
-        ap.error(f"--workloads {args.workloads!r}: choose from {', '.join(sweeps.WORKLOADS)}")
+        ap.error(f"--workloads {args.workloads!r}: choose from {', '.join(experiments.WORKLOADS)}")
     args.workload_list = wl
     for path in args.microbench_json:
         if not path.is_file():
@@ -112,37 +112,37 @@ def run_microbench(quick: bool, out: Path) -> dict:
     return data
 
 
-def run_sweeps(args: argparse.Namespace, sweep: sweeps.SweepConfig, work_dir: Path) -> tuple[list[dict], dict]:
+def run_sweeps(args: argparse.Namespace, sweep: experiments.SweepConfig, work_dir: Path) -> tuple[list[dict], dict]:
     """Every run of the sweep, each seed with its own arrivals AND its own calibration
     (K-means seed), in ``--jobs`` processes."""
     sweep = replace(sweep, base=replace(sweep.base, cost=args.cost), seeds=tuple(range(args.seeds)))
     mp = args.mean_prompt_tokens or None
     mo = args.mean_output_tokens or None
     info = {"workloads": {}, "layers": {}}
-    plan = sweeps.plan(sweep)
-    data = {name: sweeps.load_workload(name, args.traces_root, work_dir, sweep, mp, mo) for name in args.workload_list}
+    plan = experiments.plan(sweep)
+    data = {name: experiments.load_workload(name, args.traces_root, work_dir, sweep, mp, mo) for name in args.workload_list}
     for name, d in data.items():
         info["workloads"][name] = d.source
     k_speed = sweep.speed_check[0]
     pools = sorted({c.num_decode for _, _, c, _ in plan} | {k_speed})
-    sweeps.POOL_STATE.update(data=data, work_dir=work_dir, sweep=sweep, routing={})
+    experiments.POOL_STATE.update(data=data, work_dir=work_dir, sweep=sweep, routing={})
     calib = [(name, k, seed) for name in data for k in pools for seed in sweep.seeds]
-    for (name, k, seed), routing in sweeps.pool_map(sweeps.calibrate_task, calib, args.jobs, "calibrate (workload, K, seed)"):
-        sweeps.POOL_STATE["routing"][(name, seed, k)] = routing
+    for (name, k, seed), routing in experiments.pool_map(experiments.calibrate_task, calib, args.jobs, "calibrate (workload, K, seed)"):
+        experiments.POOL_STATE["routing"][(name, seed, k)] = routing
         if seed == 0:
             info["layers"][f"{name} K={k}"] = routing.layers
         else:
             info.setdefault("layers_other_seeds", {})[f"{name} K={k} seed={seed}"] = routing.layers
     tasks = [(name, exp, policy, cfg, tau) for name in data for exp, policy, cfg, tau in plan]
-    runs = sweeps.pool_map(sweeps.simulate_task, tasks, args.jobs, "simulate")
+    runs = experiments.pool_map(experiments.simulate_task, tasks, args.jobs, "simulate")
     name = args.workload_list[0]
     k, rate, secs = sweep.speed_check
     cfg = replace(sweep.base, num_decode=k, rate=rate, warmup_s=min(30.0, secs / 5), measure_s=secs - min(30.0, secs / 5))
     t0 = time.perf_counter()
-    row = sweeps.run_one(data[name], sweeps.POOL_STATE["routing"][(name, 0, k)], "eldr", cfg, sweep.default_tau)
+    row = experiments.run_one(data[name], experiments.POOL_STATE["routing"][(name, 0, k)], "eldr", cfg, sweep.default_tau)
     info["speed"] = {"num_decode": k, "rate": rate, "seconds": secs, "requests": row["requests"],
                      "steps": row["steps"], "wall_s": time.perf_counter() - t0, "policy": "eldr"}
-    sweeps.POOL_STATE.clear()
+    experiments.POOL_STATE.clear()
     info["sweep"] = {k: v for k, v in asdict(sweep).items() if k != "base"}
     info["base_config"] = asdict(sweep.base)
     return runs, info
@@ -161,8 +161,8 @@ def aggregate(runs: list[dict], **where) -> dict | None:
 
 
 def _sd(values) -> float:
-    a = np.asarray([v for v in values if v is not None and np.isfinite(v)], dtype=float)
-    return float(a.std(ddof=1)) if a.size > 1 else 0.0
+    ok = [v for v in values if v is not None and np.isfinite(v)]
+    return mean_sd(ok)[1] if ok else 0.0
 
 
 def _mean(values) -> float:
@@ -200,10 +200,10 @@ def headline(runs, workload, loads) -> dict:
 
 
 def _headline_one(runs, workload, loads) -> dict:
-    table = main_table(runs, workload, loads, sweeps.POLICIES)
+    table = main_table(runs, workload, loads, experiments.POLICIES)
     out = {}
     for rate in loads:
-        lbs = [table[(rate, p)] for p in sweeps.LOAD_BALANCERS if table.get((rate, p))]
+        lbs = [table[(rate, p)] for p in experiments.LOAD_BALANCERS if table.get((rate, p))]
         e, d, o = table.get((rate, "eldr")), table.get((rate, "domain")), table.get((rate, "oracle"))
         if not lbs or e is None:
             continue
@@ -253,7 +253,7 @@ def goodput(runs, workload, policies, targets) -> dict:
         for p, vals in per.items():
             out[(p, t)] = (float(np.mean([v for v, _ in vals])), _sd([v for v, _ in vals]),
                            "".join(sorted({f for _, f in vals})))
-        lbs = [p for p in policies if p in sweeps.LOAD_BALANCERS]
+        lbs = [p for p in policies if p in experiments.LOAD_BALANCERS]
         if "eldr" in per and lbs:
             g = [gain(max(per[p][i][0] for p in lbs), per["eldr"][i][0]) * -1 for i in range(len(per["eldr"]))]
             out[("eldr_vs_best_lb", t)] = (float(np.mean(g)), _sd(g), "")
@@ -617,7 +617,7 @@ def render_goodput(w, runs, sweep, wls, goods, nseeds) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    sweep = sweeps.QUICK if args.quick else sweeps.FULL
+    sweep = experiments.QUICK if args.quick else experiments.FULL
     res_dir = args.out_dir / "results"
     res_dir.mkdir(parents=True, exist_ok=True)
     work_ctx = tempfile.TemporaryDirectory(prefix="eldr-report-") if args.work_dir is None else None
@@ -642,8 +642,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             work_ctx.cleanup()
     used = replace(sweep, seeds=tuple(seeds_of(runs)))
     if args.from_runs is None:
-        (res_dir / "runs.json").write_text(json.dumps({"simulated": True, "command": command, "info": info,
-                                                      "runs": runs}, indent=1) + "\n")
+        write_record(res_dir / "runs.json", {"simulated": True, "command": command, "info": info, "runs": runs})
     files = plots(runs, used, args.workload_list, res_dir)
     text = render(args, used, runs, info, microbenches, files, command)
     text += measured.render(args.traces_root, args.workload_list, args.out_dir / "results")

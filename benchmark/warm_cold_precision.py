@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common import write_record
 from eldr_sglang.testing import local_cluster as lc
 
 HERE = Path(__file__).resolve().parent
@@ -84,9 +85,7 @@ def main(argv=None) -> int:
         print(f"{r['dtype']:>9}: {r['exact']}/{r['prompts']} prompts warm == cold exactly; largest per-layer "
               f"L1 difference {r['max_layer_l1']} counts (mean {r['mean_layer_l1']:.2f}) of "
               f"{args.tokens} tokens x top-k")
-    Path(args.out).write_text(json.dumps({"command": "python benchmark/warm_cold_precision.py "
-                                          + " ".join(sys.argv[1:] if argv is None else argv),
-                                          "tokens": args.tokens, "rows": rows}, indent=1))
+    write_record(args.out, {"tokens": args.tokens, "rows": rows}, argv, script=__file__)
     return 0
 
 

@@ -10,7 +10,7 @@ Latency definitions (seconds):
   payload encode, signature encode, policy choice). Excluded: the signature wait
   (``eldr_router_signature_wait_seconds``: bounded by prefill compute, not by the
   router), the upstream HTTP round trips and the response relay, which an
-  external benchmark measures (``benchmark/bench_router_vs_sglang_router.py``).
+  external benchmark measures (``benchmark/bench_serving_routers.py``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The two requests of every routed request (prefill, then decode) go through this
 small client instead of aiohttp's: an asyncio protocol per connection, responses
 parsed by ``httptools`` (llhttp, the parser uvicorn uses), idle connections kept per
 worker. It costs about 0.15 ms less per request than ``aiohttp.ClientSession.post``
-on these machines (``benchmark/bench_router_vs_sglang_router.py``). Everything else
+on these machines (``git show f0ce8c6:benchmark/bench_router_vs_sglang_router.py``, since removed). Everything else
 the router sends (aborts, health checks, admin fan-outs) stays on aiohttp.
 
 Time limits, per client and per request: ``timeout`` (the whole answer),

@@ -1,4 +1,5 @@
-"""Sweep definitions and runners for the SIMULATED paper-scale evaluation (benchmark/report.py).
+"""The simulation grid: sweep definitions and runners for the SIMULATED evaluation
+(``benchmark/report.py``, ``benchmark/bench_state_aware.py``, ``benchmark/bench_default_policy.py`` ...).
 
 Data: measured traces under ``<traces-root>/<workload>/{calib,eval}/`` when present,
 otherwise synthetic traces (``eldr_sglang.core.synthetic``, clearly labelled).

@@ -14,6 +14,7 @@ import orjson
 
 from eldr_sglang.router.app import Router, start_router
 from eldr_sglang.testing.stub_worker import StubWorker, ToyArtifact
+from eldr_sglang.testing.toy_artifact import save_toy_artifact
 
 BOOT_PORT = 8998
 
@@ -81,13 +82,7 @@ def wait_until(pred, timeout: float = 10.0) -> None:
 
 
 def save_artifact(path, num_clusters, corrupt=False, layers=(0, 1)):
-    from eldr_sglang.core.artifact import CalibrationArtifact
-    from eldr_sglang.core.traces import ModelSpec
-
-    toy = ToyArtifact(layers=list(layers), num_clusters=num_clusters)
-    art = CalibrationArtifact(model=ModelSpec("toy-moe", 4, 8, 2), variant="idf",
-                              layers=list(layers), idf=toy.idf, centroids=toy.centroids, tau=0.1)
-    art.save(path)
+    save_toy_artifact(path, num_clusters, layers)
     if corrupt:
         doc = json.loads(Path(path).read_text())
         doc["tau"] = 0.5  # content no longer matches the checksum

@@ -206,7 +206,7 @@ class EldrPolicy(Policy):
         return np.dot(self._C, sig, out=self._sims)
 
     # Up to this many servers the pick is a Python scan of the N similarities: measured
-    # at N = 24 (benchmark/bench_router_vs_sglang_router.py) it costs ~4 us against
+    # at N = 24 (git show f0ce8c6:benchmark/bench_router_vs_sglang_router.py, since removed) it costs ~4 us against
     # ~12 us for the ~9 small numpy calls of the vectorised pick (per-call overhead
     # dominates at this size); beyond it the vectorised pick wins.
     SCAN_MAX = 64
