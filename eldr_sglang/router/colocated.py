@@ -14,6 +14,13 @@ choice. No prefill/decode split, so none of late binding's requirements apply.
 Metrics: the router's registry (``/metrics``) plus ``eldr_router_route_path_total
 {mode="colocated", path}`` (predicted / fallback / blind). ``POST /eldr/score`` ranks
 the servers for a prompt without sending it (:mod:`~eldr_sglang.router.scoring`).
+
+The client conventions are the PD router's (same settings, same modules): ``--api-key``
+on the work routes, ``/eldr/score`` and the model routes; ``--worker-api-key`` sent to
+the servers; the request id header read, forwarded and echoed; OpenAI-shaped errors on
+``/v1/*``; the body cap and time limits (``--max-body-mb``, ``--client-body-timeout``,
+``--client-header-timeout``); ``--worker-max-connections``; ``/ready`` (a server
+available, not draining); ``/eldr/status`` admin only.
 """
 
 from __future__ import annotations
@@ -32,6 +39,10 @@ from aiohttp import web
 from eldr_sglang.core.policies import PolicyContext, build_policy, least_loaded
 from eldr_sglang.prompts import Tokenizer, default_tokenizer_path, load_tokenizer
 from eldr_sglang.router import upstream
+from eldr_sglang.router.admin import AdminGate
+from eldr_sglang.router.bodies import BodyError, read_body
+from eldr_sglang.router.client_guard import ClientGuards
+from eldr_sglang.router.clients import REQUEST_ID_KEY, RequestIds, as_openai_error, bearer_matches, unauthorized
 from eldr_sglang.router.config import WORKER_KEEPALIVE_S, RouterConfig
 from eldr_sglang.router.metrics import RouterMetrics
 from eldr_sglang.router.responses import JSON, error_response, json_response, worker_error_response
@@ -42,6 +53,8 @@ from eldr_sglang.router.workers import Worker, WorkerPool
 logger = logging.getLogger("eldr_sglang.router")
 WORK = {"/generate": "generate", "/v1/completions": "v1/completions",
         "/v1/chat/completions": "v1/chat/completions"}
+# what --api-key guards (as the PD router): the work routes, scoring and what tells about the model
+KEYED_PATHS = frozenset(WORK) | {"/eldr/score", "/v1/models", "/model_info", "/get_model_info"}
 
 
 class ColocatedPool(WorkerPool):
@@ -80,11 +93,21 @@ class ColocatedRouter:
         self.policy = build_policy(c.policy, ctx)
         self.tau = ctx.effective_tau if centroids is not None else None
         self.paths = path_counter(self.metrics.registry)
+        self.body_limit = int(c.max_body_mb * (1 << 20))
         self.score = ScoreEndpoint(self.predicted, lambda: self.policy, lambda: [w.url for w in self.pool.decodes],
-                                   self.pool.decode_loads, self.paths)
+                                   self.pool.decode_loads, self.paths, body_limit=self.body_limit,
+                                   body_timeout=c.client_body_timeout or None)
+        self.api_key = c.api_key or os.environ.get("ELDR_API_KEY") or None
+        self.worker_api_key = c.worker_api_key or os.environ.get("ELDR_WORKER_API_KEY") or None
         self.upstream = upstream.UpstreamClient(c.request_timeout, c.connect_timeout, WORKER_KEEPALIVE_S,
                                                 first_byte_timeout=c.first_byte_timeout,
-                                                idle_timeout=c.idle_timeout)
+                                                idle_timeout=c.idle_timeout,
+                                                max_per_worker=c.worker_max_connections,
+                                                api_key=self.worker_api_key)
+        self.request_ids = RequestIds(c.request_id_headers)
+        self.guards = ClientGuards(c.client_header_timeout,
+                                   on_close=lambda: self.metrics.errors.labels("header_timeout").inc())
+        self.admin = AdminGate(c, self.metrics)
         self.inflight_limit = c.inflight_limit
         self.session: Optional[aiohttp.ClientSession] = None
         self.return_address: Optional[str] = None
@@ -108,7 +131,12 @@ class ColocatedRouter:
 
     # ------------------------------------------------------------ request path
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        """Read the body first (size cap, time limit), only then take an in-flight slot."""
         endpoint = WORK[request.path]
+        try:
+            raw = await read_body(request, self.body_limit, self.config.client_body_timeout or None)
+        except BodyError as e:
+            return self._bad(str(e), e.status)
         if self.active >= self.inflight_limit:
             self.metrics.overloaded.inc()
             return error_response(429, f"router at its in-flight limit ({self.inflight_limit})",
@@ -117,19 +145,19 @@ class ColocatedRouter:
         self.active += 1
         self.idle.clear()
         try:
-            return await self._handle(request, endpoint, t0)
+            return await self._handle(request, endpoint, t0, raw)
         finally:
             self.active -= 1
             if self.active == 0:
                 self.idle.set()
             self.metrics.deferred(self.metrics.request_duration, endpoint).observe(time.perf_counter() - t0)
 
-    def _bad(self, message: str) -> web.Response:
-        self.metrics.errors.labels("bad_request").inc()
-        return error_response(400, message)
+    def _bad(self, message: str, status: int = 400) -> web.Response:
+        kind = {408: "body_timeout", 413: "too_large"}.get(status, "bad_request")
+        self.metrics.errors.labels(kind).inc()
+        return error_response(status, message)
 
-    async def _handle(self, request: web.Request, endpoint: str, t0: float) -> web.StreamResponse:
-        raw = await request.read()
+    async def _handle(self, request: web.Request, endpoint: str, t0: float, raw: bytes) -> web.StreamResponse:
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as e:
@@ -145,6 +173,8 @@ class ColocatedRouter:
             items = []  # nothing to predict with anyway: route by load
         route, _ = self.predicted.route(items) if items else (None, {})
         stream = bool(body.get("stream", False))
+        rid = request.get(REQUEST_ID_KEY)
+        headers = (rid,) if rid else ()
         tried: set[int] = set()
         while True:
             w, index, path = self._choose(policy, route, tried)
@@ -155,7 +185,7 @@ class ColocatedRouter:
                 if not tried:
                     self.metrics.added_latency.observe(time.perf_counter() - t0)
                 try:
-                    resp = await self.upstream.post(w.endpoint(endpoint), raw)
+                    resp = await self.upstream.post(w.endpoint(endpoint), raw, headers=headers)
                 except upstream.ConnectError as e:
                     self.pool.failure(w, ticket, repr(e), "connect", hard=True)
                     tried.add(index)
@@ -168,7 +198,7 @@ class ColocatedRouter:
                     self.pool.failure(w, ticket, repr(e), "timeout" if timeout else "disconnect", hard=True)
                     return error_response(504 if timeout else 502, f"worker {w.url} failed: {e}")
                 try:
-                    return await self._relay(request, resp, w, ticket, stream)
+                    return await self._relay(request, resp, w, ticket, stream, headers)
                 finally:
                     resp.release()
             finally:
@@ -196,7 +226,7 @@ class ColocatedRouter:
         return w, index, path
 
     async def _relay(self, request: web.Request, resp: upstream.UpstreamResponse, w: Worker, ticket,
-                     stream: bool) -> web.StreamResponse:
+                     stream: bool, headers: tuple = ()) -> web.StreamResponse:
         pool = self.pool
         if resp.status != 200 or not stream:
             try:
@@ -212,7 +242,7 @@ class ColocatedRouter:
                 return worker_error_response(resp.status, data, w.url)
             return web.Response(body=data, status=200, content_type=JSON)
         out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
-                                                      "Cache-Control": "no-cache"})
+                                                      "Cache-Control": "no-cache", **dict(headers)})
         await out.prepare(request)
         try:
             async for chunk in resp.iter_chunks():
@@ -234,6 +264,16 @@ class ColocatedRouter:
     # ------------------------------------------------------------ other endpoints
     async def h_health(self, request: web.Request) -> web.Response:
         return error_response(503, "router is draining") if self.draining else web.Response(status=200)
+
+    def readiness(self) -> dict:
+        """Ready = not draining and at least one server available (healthy, breaker closed)."""
+        healthy = sum(w.available() for w in self.pool.decodes)
+        return {"ready": not self.draining and healthy > 0, "draining": self.draining,
+                "healthy": {"worker": healthy}, "servers": {"worker": len(self.pool.decodes)}}
+
+    async def h_ready(self, request: web.Request) -> web.Response:
+        state = self.readiness()
+        return json_response(state, 200 if state["ready"] else 503)
 
     async def h_metrics(self, request: web.Request) -> web.Response:
         for w in self.pool.decodes:
@@ -268,14 +308,39 @@ class ColocatedRouter:
             r.add_post(path, self.handle)
         r.add_post("/eldr/score", self.score.handle)
         r.add_get("/health", self.h_health)
+        r.add_get("/liveness", self.h_health)
+        r.add_get("/ready", self.h_ready)
+        r.add_get("/readiness", self.h_ready)
         r.add_get("/metrics", self.h_metrics)
-        r.add_get("/eldr/status", self.h_status)
+        r.add_get("/eldr/status", self.admin.only(self.h_status))
         for path in ("/v1/models", "/model_info", "/get_model_info"):
             r.add_get(path, self.h_models)
         return app
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        """The PD router's client conventions around :meth:`_guarded`: API key, request id
+        (echoed), OpenAI-shaped errors on ``/v1/*``; the header limit stops once a request starts."""
+        self.guards.started(request)
+        try:
+            path = request.path
+            if path not in KEYED_PATHS and not path.startswith("/v1/"):
+                return await self._guarded(request, handler)
+            rid = request[REQUEST_ID_KEY] = self.request_ids.of(request)
+            if self.api_key and not bearer_matches(request, self.api_key):
+                self.metrics.errors.labels("unauthorized").inc()
+                resp = unauthorized()
+            else:
+                resp = await self._guarded(request, handler)
+            if not resp.prepared:  # a stream set the header itself before its first byte
+                resp.headers[rid[0]] = rid[1]
+                if path.startswith("/v1/") and resp.status >= 400 and isinstance(resp, web.Response):
+                    resp = as_openai_error(resp)
+            return resp
+        finally:
+            self.guards.ended(request)
+
+    async def _guarded(self, request: web.Request, handler) -> web.StreamResponse:
         if self.draining and request.path in WORK:
             return error_response(503, "router is draining (shutting down); retry elsewhere",
                                   self.config.retry_after)
@@ -284,6 +349,9 @@ class ColocatedRouter:
         except web.HTTPException as e:
             if e.status < 400:
                 raise
+            if e.status == 413:
+                self.metrics.errors.labels("too_large").inc()
+                return error_response(413, f"request body too large: {e.text}")
             return error_response(e.status, e.reason)
         except asyncio.CancelledError:
             raise
@@ -295,7 +363,8 @@ class ColocatedRouter:
     async def start_background(self, host: str) -> None:
         c = self.config
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
-            limit=0, keepalive_timeout=WORKER_KEEPALIVE_S))
+            limit=0, keepalive_timeout=WORKER_KEEPALIVE_S),
+            headers={"Authorization": f"Bearer {self.worker_api_key}"} if self.worker_api_key else None)
         self.pool.session = self.session
         self.idle = asyncio.Event()
         if self.active == 0:

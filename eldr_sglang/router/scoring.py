@@ -35,6 +35,7 @@ from prometheus_client import Counter
 
 from eldr_sglang.core.policies import Decision, Policy, RouteRequest
 from eldr_sglang.prompts import Tokenizer, request_token_ids
+from eldr_sglang.router.bodies import BodyError, read_body
 from eldr_sglang.router.responses import error_response, json_response
 from eldr_sglang.router.signatures import combine, union
 
@@ -98,9 +99,11 @@ class ScoreEndpoint:
     live policy (read per request: a reload may swap it)."""
 
     def __init__(self, routing: PredictedRouting, policy, servers, loads, counter: Counter,
-                 centroids: Optional[np.ndarray] = None) -> None:
+                 centroids: Optional[np.ndarray] = None, *, body_limit: int = 32 << 20,
+                 body_timeout: Optional[float] = None) -> None:
         self.routing, self.policy, self.servers, self.loads = routing, policy, servers, loads
         self.counter = counter
+        self.body_limit, self.body_timeout = body_limit, body_timeout
         art = routing.artifact
         self.centroids = (np.asarray(centroids if centroids is not None else art.centroids, dtype=np.float32)
                           if art is not None else None)
@@ -108,7 +111,9 @@ class ScoreEndpoint:
     async def handle(self, request: web.Request) -> web.Response:
         t0 = time.perf_counter()
         try:
-            body = orjson.loads(await request.read())
+            body = orjson.loads(await read_body(request, self.body_limit, self.body_timeout))
+        except BodyError as e:
+            return error_response(e.status, str(e))
         except orjson.JSONDecodeError as e:
             return error_response(400, f"invalid JSON body: {e}")
         if not isinstance(body, dict):
