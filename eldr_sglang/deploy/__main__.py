@@ -25,7 +25,7 @@ from typing import Sequence
 
 from .commands import Launch, build_launches
 from .files import check_files
-from .k8s import K8sOptions, build_manifests, write_manifests
+from .k8s import K8sOptions, build_manifests, signature_key_notes, write_manifests
 from .presets import load_description, preset_names
 from .spec import Cluster, DescriptionError, parse_cluster
 
@@ -75,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cluster = parse_cluster(load_description(args.description, args.preset))
         launches = build_launches(cluster)
         notes = check_files(cluster) if args.command == "check" and not args.skip_files else []
+        if args.command == "check":
+            notes += signature_key_notes(cluster)
         if args.command == "k8s":
             options = K8sOptions(namespace=args.namespace, image=args.image, router_replicas=args.router_replicas,
                                  pin_nodes=args.pin_nodes, artifact=args.artifact, cluster_domain=args.cluster_domain)

@@ -29,7 +29,8 @@ from .commands import Launch, build_launches
 from .files import check_artifact
 from .image import default_image
 from .k8s_policy import disruption_budgets, network_policies
-from .k8s_pods import engine_ports, engine_statefulset, router_deployment, router_ports
+from .k8s_pods import (ENGINE_KEY_FLAG, ROUTER_KEY_FLAG, SIGNATURE_KEY_ITEM, SIGNATURE_KEY_PATH, engine_ports,
+                       engine_statefulset, router_deployment, router_ports)
 from .spec import Cluster, DescriptionError, Node, Pin
 
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # DNS-1035: Service names
@@ -99,11 +100,24 @@ def check_pods(cluster: Cluster, options: K8sOptions) -> list[str]:
                 f"kubernetes.node_selector: {where} {path} is mounted from the nodes (hostPath), so engine pods must "
                 "be held to nodes that have it: set kubernetes.node_selector (labels those nodes carry) or pass "
                 "--pin-nodes")
-    notes = []
+    notes = signature_key_notes(cluster)
     if kube.host_network:
         notes.append("kubernetes.host_network: engine pods of one role listen on the same ports, so at most one "
                      "prefill and one decode pod fit on a node")
     return notes
+
+
+def signature_key_notes(cluster: Cluster) -> list[str]:
+    """The loud warning when routers would take unsigned signatures: neither
+    ``kubernetes.signature_key_secret`` nor a key file in ``router.extra_args``."""
+    if cluster.kubernetes.signature_key_secret is not None or any(
+            a.split("=")[0] == ROUTER_KEY_FLAG for a in cluster.router.extra_args):
+        return []
+    return ["kubernetes.signature_key_secret is not set: the routers' signature intake (the signature port and "
+            "POST /eldr/signature) is UNAUTHENTICATED, anyone who reaches a router can post signatures for other "
+            "requests and steer them; create a Secret holding the key (kubectl create secret generic NAME "
+            f"--from-file={SIGNATURE_KEY_ITEM}=FILE) and set kubernetes.signature_key_secret: NAME (deploy k8s), "
+            f"or pass {ENGINE_KEY_FLAG} in prefill.extra_args and {ROUTER_KEY_FLAG} in router.extra_args"]
 
 
 def in_cluster(cluster: Cluster, namespace: str, domain: str = "cluster.local") -> Cluster:
@@ -112,20 +126,27 @@ def in_cluster(cluster: Cluster, namespace: str, domain: str = "cluster.local") 
     suffix = f"{namespace}.svc.{domain}"
     nodes: list[Node] = []
     roles = {}
+    keyed = cluster.kubernetes.signature_key_secret is not None  # the Secret's file, mounted in every pod
     for role in (cluster.prefill, cluster.decode):
         pins = []
         for i in range(role.count):
             name = server_name(cluster, role.kind, i)
             nodes.append(Node(name, f"{name}-0.{service_name(cluster, role.kind)}.{suffix}", role.tp_size))
             pins.append(Pin(name, tuple(range(role.tp_size))))
-        roles[role.kind] = replace(role, nodes=tuple(p.node for p in pins), servers=tuple(pins))
+        args = _with_flag(role.extra_args, ENGINE_KEY_FLAG, SIGNATURE_KEY_PATH) if keyed else role.extra_args
+        roles[role.kind] = replace(role, nodes=tuple(p.node for p in pins), servers=tuple(pins), extra_args=args)
     router = service_name(cluster, "router")
     nodes.append(Node(router, f"{router}.{suffix}", 0))
-    extra = cluster.router.extra_args
-    if not any(a.split("=")[0] == "--advertise-host" for a in extra):  # each replica its own signature address
-        extra = (*extra, "--advertise-host", "$(POD_IP)")
+    extra = _with_flag(cluster.router.extra_args, "--advertise-host", "$(POD_IP)")  # each replica its own address
+    if keyed:
+        extra = _with_flag(extra, ROUTER_KEY_FLAG, SIGNATURE_KEY_PATH)
     return replace(cluster, nodes=tuple(nodes), prefill=roles["prefill"], decode=roles["decode"],
                    router=replace(cluster.router, node=router, extra_args=extra), warnings=list(cluster.warnings))
+
+
+def _with_flag(args: tuple[str, ...], flag: str, value: str) -> tuple[str, ...]:
+    """``args`` plus ``flag value`` unless the description already gives the flag."""
+    return args if any(a.split("=")[0] == flag for a in args) else (*args, flag, value)
 
 
 def build_manifests(cluster: Cluster, options: K8sOptions) -> tuple[dict[str, list[dict]], list[str]]:

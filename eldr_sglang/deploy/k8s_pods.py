@@ -25,6 +25,10 @@ ENGINE_LIVE = {"periodSeconds": 30, "timeoutSeconds": 25, "failureThreshold": 4}
 # draining); /health: the process answers (liveness)
 ROUTER_READY = {"periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 2}
 ROUTER_LIVE = {"initialDelaySeconds": 10, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6}
+# the shared signature key (kubernetes.signature_key_secret): the Secret's key, where pods see it
+SIGNATURE_KEY_ITEM = "signature-key"
+SIGNATURE_KEY_PATH = "/etc/eldr/signature-key"
+ENGINE_KEY_FLAG, ROUTER_KEY_FLAG = "--eldr-signature-key-file", "--signature-key-file"
 
 
 def flag_value(argv: Sequence[str], flag: str) -> str | None:
@@ -100,6 +104,18 @@ def _calibration(config: dict | None, mounts: list[dict], volumes: list[dict], a
     annotations["eldr-sglang/calibration-sha256"] = config["sha256"]
 
 
+def _signature_key(cluster: Cluster, mounts: list[dict], volumes: list[dict]) -> None:
+    """Mount the operator's Secret holding the signature key read-only at SIGNATURE_KEY_PATH."""
+    secret = cluster.kubernetes.signature_key_secret
+    if secret is None:
+        return
+    volumes.append({"name": "signature-key", "secret": {"secretName": secret, "defaultMode": 0o400,
+                                                         "items": [{"key": SIGNATURE_KEY_ITEM,
+                                                                    "path": SIGNATURE_KEY_ITEM}]}})
+    mounts.append({"name": "signature-key", "mountPath": SIGNATURE_KEY_PATH, "subPath": SIGNATURE_KEY_ITEM,
+                   "readOnly": True})
+
+
 def _scrape(annotations: dict, port: int) -> None:
     annotations.update({"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
                         "prometheus.io/path": "/metrics"})
@@ -118,6 +134,7 @@ def engine_statefulset(cluster: Cluster, role: Role, launch: Launch, metadata: d
             volumes.append({"name": name, "hostPath": {"path": path, "type": "Directory"}})
     annotations: dict[str, str] = {}
     _calibration(config, mounts, volumes, annotations)
+    _signature_key(cluster, mounts, volumes)
     ports = engine_ports(launch)
     if dict(ports).get("eldr-metrics"):
         _scrape(annotations, dict(ports)["eldr-metrics"])
@@ -150,6 +167,7 @@ def router_deployment(cluster: Cluster, launch: Launch, metadata: dict, labels: 
     volumes: list[dict] = []
     annotations: dict[str, str] = {}
     _calibration(config, mounts, volumes, annotations)
+    _signature_key(cluster, mounts, volumes)
     _scrape(annotations, launch.port)
     env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
     resources = {"requests": {"cpu": str(workers), "memory": f"{ROUTER_MEMORY_GI_PER_WORKER * workers}Gi"}}

@@ -16,22 +16,23 @@ Schema (unknown keys are refused)::
 
 ``servers`` (optional) pins each server: ``[{node: name, gpus: [0, 1, 2, 3]}, ...]``;
 without it servers fill the role's nodes in order with the lowest free GPUs.
-``kubernetes`` (optional; only ``deploy k8s`` reads it)::
-
-    kubernetes: {rdma_resource: null, rdma_count: 1, host_network: false, node_selector: {}}
-                                   # rdma_resource: the RDMA device plugin's resource per engine pod
-                                   # node_selector: labels of the nodes holding model_path (hostPath)
+``kubernetes`` (optional; only ``deploy k8s`` reads it): the fields of :class:`Kubernetes`
+(``rdma_resource``, ``rdma_count``, ``host_network``, ``node_selector``,
+``signature_key_secret``), each documented in its field's ``help`` (the table in
+docs/DEPLOY.md is generated from them: :mod:`~eldr_sglang.deploy.keys_doc`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from eldr_sglang.core.policies import policy_names
 from eldr_sglang.router.config import RouterConfig
 
 VENDORS = ("rocm", "cuda")
+SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")  # DNS-1123 subdomain
 LATE_BINDING_BACKENDS = ("mooncake", "mooncake_tcp")
 
 
@@ -69,14 +70,29 @@ class Role:
     env: tuple[tuple[str, str], ...] = ()
 
 
+def _key(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class Kubernetes:
-    """How engine pods reach RDMA and the model files (``deploy k8s`` only)."""
+    """How engine pods reach RDMA, the model files and the signature key (``deploy k8s`` only)."""
 
-    rdma_resource: str | None = None  # e.g. rdma/hca_shared_devices_a (an RDMA device plugin)
-    rdma_count: int = 1
-    host_network: bool = False
-    node_selector: tuple[tuple[str, str], ...] = ()
+    rdma_resource: str | None = _key(
+        None, "the RDMA device plugin's resource each engine pod requests (e.g. `rdma/hca_shared_devices_a`); "
+              "`transfer_backend: mooncake` needs it or `host_network`")
+    rdma_count: int = _key(1, "how many of `rdma_resource` each engine pod requests")
+    host_network: bool = _key(
+        False, "engine pods use their node's network (Mooncake reaches the NICs without a device plugin; "
+               "at most one prefill and one decode pod per node, their ports would collide)")
+    node_selector: tuple[tuple[str, str], ...] = _key(
+        (), "labels (name: value) of the nodes holding `model_path` and `decode.placement_dir`, which engine "
+            "pods mount from the node (hostPath); without it, `--pin-nodes`")
+    signature_key_secret: str | None = _key(
+        None, "name of a Secret in the namespace whose key `signature-key` holds the shared signature key; "
+              "mounted read-only at `/etc/eldr/signature-key` in every engine and router pod "
+              "(`--eldr-signature-key-file`, `--signature-key-file`). Unset: the routers take unsigned "
+              "signatures from anyone who reaches them, and `deploy k8s` warns")
 
 
 @dataclass(frozen=True)
@@ -240,16 +256,20 @@ def _nodes(value: Any) -> tuple[Node, ...]:
 
 
 def _kubernetes(value: Any) -> Kubernetes:
-    m = _mapping(value, "kubernetes", {"rdma_resource", "rdma_count", "host_network", "node_selector"})
+    m = _mapping(value, "kubernetes", {f.name for f in fields(Kubernetes)})
     selector = m.get("node_selector") or {}
     if not isinstance(selector, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
                                                      for k, v in selector.items()):
         raise DescriptionError("kubernetes.node_selector: expected a mapping of node label names to string values")
     rdma = m.get("rdma_resource")
+    secret = m.get("signature_key_secret")
+    if secret is not None and not (isinstance(secret, str) and len(secret) <= 253 and SECRET_NAME.match(secret)):
+        raise DescriptionError(f"kubernetes.signature_key_secret: {secret!r} is not a Secret name (lower-case "
+                               "letters, digits, '-' and '.', at most 253 characters)")
     return Kubernetes(rdma_resource=None if rdma is None else _str(rdma, "kubernetes.rdma_resource"),
                       rdma_count=_int(m.get("rdma_count", 1), "kubernetes.rdma_count", 1),
                       host_network=_bool(m.get("host_network", False), "kubernetes.host_network"),
-                      node_selector=tuple(sorted(selector.items())))
+                      node_selector=tuple(sorted(selector.items())), signature_key_secret=secret)
 
 
 def _router(value: Any, node_names: list[str]) -> Router:
