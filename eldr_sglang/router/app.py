@@ -39,6 +39,7 @@ from eldr_sglang.router.client_guard import ClientGuards, GuardedSite
 from eldr_sglang.router.clients import (REQUEST_ID_KEY, RequestIds, as_openai_error,
                                         bearer_matches, unauthorized)
 from eldr_sglang.router.config import WORKER_KEEPALIVE_S, RouterConfig
+from eldr_sglang.router.http_conventions import install as install_conventions
 from eldr_sglang.router.dispatch import Dispatcher
 from eldr_sglang.router.intake import SignatureIntake
 from eldr_sglang.router.metrics import RouterMetrics
@@ -561,6 +562,7 @@ class Router:
 
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[self._json_errors], client_max_size=self.body_limit)
+        install_conventions(app, self.config, self.config.request_id_headers)  # CORS, access log
         r, admin = app.router, self.admin
         r.add_post("/generate", self.h_generate)
         r.add_post("/v1/completions", self.h_completions)

@@ -226,7 +226,7 @@ def _serve_process(args: argparse.Namespace, index: int) -> None:
     if c.online and index > 0:  # process 0 fits; the others follow the artifact it writes
         args.router_config = c = replace(c, online=False, calibration=c.calibration_out,
                                          calibration_watch=c.calibration_watch or 1.0)
-    _setup_logging(c.log_level)
+    _setup_logging(c.log_level, c.log_format)
     try:
         router = build_router(args)
     except (ValueError, OSError) as e:
@@ -273,15 +273,16 @@ def _supervise(args: argparse.Namespace) -> None:
     sys.exit(rc or max((pr.exitcode or 0) for pr in procs))
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+def _setup_logging(level: str, fmt: str = "text") -> None:
+    from eldr_sglang.router.http_conventions import setup_logging  # text or JSON lines
+
+    setup_logging(level, fmt)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     if args.router_config.workers > 1:
-        _setup_logging(args.router_config.log_level)
+        _setup_logging(args.router_config.log_level, args.router_config.log_format)
         _supervise(args)
     else:
         _serve_process(args, 0)

@@ -159,6 +159,13 @@ class RouterConfig:
     admin_token: Optional[str] = _opt(
         "require 'Authorization: Bearer TOKEN' on admin endpoints (default: loopback clients only)")
     log_decisions: bool = _opt("log every routing decision at INFO (otherwise DEBUG)", False, flag=True)
+    log_format: str = _opt("log lines as text or as one JSON object per line", "text", choices=("text", "json"))
+    access_log: bool = _opt(
+        "log one line per client request (remote, method, path, status, duration, bytes, request id) "
+        "to the logger eldr_sglang.router.access at INFO", False, flag=True)
+    cors_origins: Optional[str] = _opt(
+        "comma-separated origins browsers may call the router from (CORS, e.g. https://app.example; "
+        "'*': any); none: no CORS headers")
     # process
     host: str = _opt("listen address", "0.0.0.0")
     port: int = _opt("listen port", 8000)
@@ -181,6 +188,9 @@ class RouterConfig:
             if choices is not None and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name}: {getattr(self, f.name)!r} is not one of {', '.join(choices)}")
         self._check_policies()
+        from eldr_sglang.router.http_conventions import cors_origins_of
+
+        cors_origins_of(self.cors_origins)  # ValueError naming cors_origins
         if self.domain_map is not None:
             domain_map_of(self.domain_map)
         positive = ("signature_timeout", "signature_ttl", "signature_buffer", "signature_buffer_mb",
