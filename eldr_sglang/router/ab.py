@@ -28,16 +28,15 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Callable, Optional
 
 import aiohttp
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from eldr_sglang.core.policies import RouteRequest, policy_spec
-
-if TYPE_CHECKING:
-    from eldr_sglang.router.app import Router, Routing
+from eldr_sglang.router.metrics import RouterMetrics
+from eldr_sglang.router.routing import Routing, RoutingState
 
 logger = logging.getLogger("eldr_sglang.router")
 
@@ -73,24 +72,30 @@ class SliceStats:
 
 
 class ABController:
-    """Alternates routings on a schedule and writes one record per slice."""
+    """Alternates the routing state's arms on a schedule and writes one record per
+    slice; ``session()``: the router's worker session (engine metrics are read with it)."""
 
-    def __init__(self, router: "Router", routings: list["Routing"], slice_s: float,
+    def __init__(self, state: RoutingState, metrics: RouterMetrics,
+                 session: Callable[[], Optional[aiohttp.ClientSession]], slice_s: float,
                  record: Optional[str], engine_metrics: list[str], label: Optional[str] = None) -> None:
-        self.r, self.routings, self.slice_s = router, routings, slice_s
+        self.state, self.metrics, self.session, self.slice_s = state, metrics, session, slice_s
         self.record, self.label = record, label
         self.engine_metrics = engine_metrics
         self.current: Optional[SliceStats] = None
         self.count = 0
         self.written: list[dict] = []
 
-    def arm_name(self, routing: "Routing") -> str:
+    @property
+    def routings(self) -> list[Routing]:
+        return self.state.arms
+
+    def arm_name(self, routing: Routing) -> str:
         return (self.label or routing.name) if len(self.routings) == 1 else routing.name
 
-    def owns(self, routing: "Routing") -> bool:
+    def owns(self, routing: Routing) -> bool:
         return self.current is not None and routing is self.routings[self.current.index % len(self.routings)]
 
-    def request_done(self, routing: "Routing", seconds: float, status: int) -> None:
+    def request_done(self, routing: Routing, seconds: float, status: int) -> None:
         """A client request that started with ``routing`` ended (any way)."""
         cur = self.current
         if cur is None or not self.owns(routing):
@@ -101,7 +106,7 @@ class ABController:
 
     async def _engines(self) -> dict[str, dict[str, float]]:
         """Engine counters now, per decode server (plugin endpoint and SGLang /metrics)."""
-        session = self.r.session
+        session = self.session()
         out: dict[str, dict[str, float]] = {}
 
         async def get(url: str, names: tuple[str, ...]) -> dict[str, float]:
@@ -112,7 +117,7 @@ class ABController:
                 return {}
 
         hist = tuple(f"{h}_{s}" for h in SGLANG_HISTOGRAMS for s in ("sum", "count"))
-        decodes = [d.url for d in self.r.pool.decodes]
+        decodes = [d.url for d in self.state.pool.decodes]
         jobs = [get(u, ENGINE_COUNTERS) for u in self.engine_metrics]
         jobs += [get(u + "/metrics", hist) for u in decodes]
         res = await asyncio.gather(*jobs)
@@ -121,8 +126,7 @@ class ABController:
         return out
 
     def _start(self, index: int, engines: dict) -> None:
-        routing = self.routings[index % len(self.routings)]
-        self.r.set_routing(routing)
+        routing = self.state.use_arm(index)
         self.current = SliceStats(self.arm_name(routing), index, time.time(), engines=engines)
         logger.info("A/B slice %d: policy %s for %.0f s", index, routing.name, self.slice_s)
 
@@ -158,7 +162,7 @@ class ABController:
 
     def _write(self, rec: dict) -> None:
         self.written.append(rec)
-        self.r.metrics.event("ab_slices")
+        self.metrics.event("ab_slices")
         if self.record:
             with open(self.record, "a") as f:
                 f.write(json.dumps(rec) + "\n")
@@ -192,8 +196,8 @@ class ShadowPolicy:
 
     PENDING_MAX = 4096  # requests whose signature has not come yet (oldest dropped)
 
-    def __init__(self, router: "Router", name: str) -> None:
-        self.r, self.spec = router, policy_spec(name)
+    def __init__(self, state: RoutingState, metrics: RouterMetrics, name: str) -> None:
+        self.state, self.metrics, self.spec = state, metrics, policy_spec(name)
         self._built_for: Any = None
         self.policy = None
         self.pending: "OrderedDict[int, tuple[list[int], int, dict]]" = OrderedDict()
@@ -206,7 +210,7 @@ class ShadowPolicy:
         while len(self.pending) > self.PENDING_MAX:
             _, (_, _, lost) = self.pending.popitem(last=False)
             lost["outcome"] = "no_signature"
-            self.r.metrics.shadow.labels(self.spec.name, "no_signature").inc()
+            self.metrics.shadow.labels(self.spec.name, "no_signature").inc()
         return out
 
     def on_message(self, msg: dict) -> None:
@@ -217,7 +221,7 @@ class ShadowPolicy:
             out.update(self.evaluate_message(msg, loads, chosen))
 
     def evaluate_message(self, msg: dict, loads: list[int], chosen: int) -> dict:
-        enc = self.r.routing.encoder
+        enc = self.state.routing.encoder
         try:
             sig = enc.encode(msg) if enc is not None else None
         except ValueError:
@@ -225,14 +229,14 @@ class ShadowPolicy:
         return self.evaluate(RouteRequest(signature=sig), loads, chosen)
 
     def _policy(self):
-        enc = self.r.routing.encoder
+        enc = self.state.routing.encoder
         if self.policy is None or self._built_for is not enc:
-            self.policy = self.r.build_routing(self.spec, enc).policy
+            self.policy = self.state.build_routing(self.spec, enc).policy
             self._built_for = enc
         return self.policy
 
     def evaluate(self, route: RouteRequest, loads: list[int], chosen: int) -> dict:
-        m = self.r.metrics
+        m = self.metrics
         if route.signature is None and self.spec.needs_artifact:
             m.shadow.labels(self.spec.name, "no_signature").inc()
             return {"policy": self.spec.name, "outcome": "no_signature"}
@@ -243,7 +247,7 @@ class ShadowPolicy:
             return {"policy": self.spec.name, "outcome": "error", "error": str(e)}
         outcome = "same" if dec.index == chosen else "different"
         m.shadow.labels(self.spec.name, outcome).inc()
-        out = {"policy": self.spec.name, "outcome": outcome, "decode": self.r.pool.decodes[dec.index].url}
+        out = {"policy": self.spec.name, "outcome": outcome, "decode": self.state.pool.decodes[dec.index].url}
         if dec.server_similarities is not None:
             gap = float(dec.server_similarities.max() - dec.server_similarities[chosen])
             out["similarity_gap"] = gap

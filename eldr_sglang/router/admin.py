@@ -12,16 +12,17 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Awaitable, Callable, Optional
 
 import orjson
 from aiohttp import web
 
 from eldr_sglang.router.bodies import ADMIN_BODY_BYTES, ADMIN_BODY_KEY, BodyError, read_body
+from eldr_sglang.router.config import RouterConfig
+from eldr_sglang.router.decision_log import DecisionLog
+from eldr_sglang.router.metrics import RouterMetrics
+from eldr_sglang.router.online import OnlineController
 from eldr_sglang.router.responses import error_response, json_response
-
-if TYPE_CHECKING:
-    from eldr_sglang.router.app import Router
 
 logger = logging.getLogger("eldr_sglang.router")
 
@@ -44,12 +45,14 @@ def _prefill_entry(v: Any) -> tuple[str, Any]:
     return parts[0], port
 
 
-class AdminApi:
-    def __init__(self, router: "Router") -> None:
-        self.r = router
+class AdminGate:
+    """Who may call admin endpoints (:meth:`only` wraps a handler)."""
+
+    def __init__(self, config: RouterConfig, metrics: RouterMetrics) -> None:
+        self.config, self.metrics = config, metrics
 
     def allowed(self, request: web.Request) -> bool:
-        token = self.r.config.admin_token
+        token = self.config.admin_token
         if token:
             got = request.headers.get("Authorization", "")
             return hmac.compare_digest(got.encode(), f"Bearer {token}".encode())
@@ -59,7 +62,7 @@ class AdminApi:
             return False
 
     def forbidden(self) -> web.Response:
-        self.r.metrics.errors.labels("admin_forbidden").inc()
+        self.metrics.errors.labels("admin_forbidden").inc()
         return error_response(403, "admin endpoint: loopback only, or 'Authorization: Bearer "
                                    "<token>' when the router runs with --admin-token")
 
@@ -70,15 +73,31 @@ class AdminApi:
                 return self.forbidden()
             try:
                 request[ADMIN_BODY_KEY] = await read_body(request, ADMIN_BODY_BYTES,
-                                                       self.r.config.client_body_timeout or None)
+                                                       self.config.client_body_timeout or None)
             except BodyError as e:
-                self.r.metrics.errors.labels("too_large" if e.status == 413 else "body_timeout").inc()
+                self.metrics.errors.labels("too_large" if e.status == 413 else "body_timeout").inc()
                 return error_response(e.status, str(e))
             return await handler(request)
         return guarded
 
+
+class AdminApi(AdminGate):
+    """The PD router's admin handlers over the parts they change: ``status()`` answers
+    a membership change, ``change_servers``/``reload`` apply one, ``fan_out(path,
+    method)`` asks every worker."""
+
+    def __init__(self, config: RouterConfig, metrics: RouterMetrics, decisions: DecisionLog, *,
+                 status: Callable[[], dict], change_servers: Callable[..., None],
+                 reload: Callable[[str], dict],
+                 fan_out: Callable[[str, str], Awaitable[list[tuple[Any, int, Any]]]],
+                 online: Optional[OnlineController] = None) -> None:
+        super().__init__(config, metrics)
+        self.decisions = decisions
+        self.status, self.change_servers, self.reload = status, change_servers, reload
+        self.fan_out, self.online = fan_out, online
+
     def _bad(self, message: str) -> web.Response:
-        self.r.metrics.errors.labels("bad_request").inc()
+        self.metrics.errors.labels("bad_request").inc()
         return error_response(400, message)
 
     @staticmethod
@@ -88,7 +107,6 @@ class AdminApi:
             raise ValueError("body must be a JSON object")
         return data
 
-    # ------------------------------------------------------------ handlers
     async def h_servers(self, request: web.Request) -> web.Response:
         """``{"add": [url], "remove": [url], "add_prefill": ["URL [PORT]"],
         "remove_prefill": [url]}``; all checked before any is applied."""
@@ -102,11 +120,11 @@ class AdminApi:
             if unknown:
                 raise ValueError(f"unknown key(s): {', '.join(unknown)}")
             prefills = [_prefill_entry(v) for v in data.get("add_prefill", [])]
-            self.r.change_servers(add=data.get("add", []), remove=data.get("remove", []),
-                                  add_prefill=prefills, remove_prefill=data.get("remove_prefill", []))
+            self.change_servers(add=data.get("add", []), remove=data.get("remove", []),
+                                add_prefill=prefills, remove_prefill=data.get("remove_prefill", []))
         except (orjson.JSONDecodeError, ValueError, TypeError) as e:
             return self._bad(str(e))
-        return json_response(self.r.status())
+        return json_response(self.status())
 
     async def h_calibration(self, request: web.Request) -> web.Response:
         """``POST {"path": "artifact.json"}`` reloads the calibration; ``{"refit": true}``
@@ -114,34 +132,33 @@ class AdminApi:
         try:
             data = await self._body(request)
             if data.get("refit") is True:
-                if self.r.online is None:
+                if self.online is None:
                     raise ValueError("'refit' needs a router started with --online")
-                self.r.online.request_refit()
-                return json_response({"refit": "requested", "online": self.r.online.describe()}, 202)
+                self.online.request_refit()
+                return json_response({"refit": "requested", "online": self.online.describe()}, 202)
             path = data.get("path")
             if not isinstance(path, str) or not path:
                 raise ValueError("'path' (string) is required")
-            out = self.r.reload_calibration(path)
+            out = self.reload(path)
         except (orjson.JSONDecodeError, ValueError, TypeError) as e:
-            self.r.metrics.reloads.labels("refused").inc()
+            self.metrics.reloads.labels("refused").inc()
             logger.warning("calibration reload refused: %s", e)
             return self._bad(f"calibration refused, previous kept: {e}")
         return json_response(out)
 
     async def h_decisions(self, request: web.Request) -> web.Response:
         """The last ``?last=N`` routing decisions (default 20, at most the log's size)."""
-        kept = self.r.decisions.maxlen or 0
+        kept = self.decisions.maxlen
         try:
             last = int(request.query.get("last", "20"))
             if not 0 <= last:
                 raise ValueError
         except ValueError:
             return self._bad(f"'last' must be an integer 0-{kept}")
-        recent = list(self.r.decisions)[-min(last, kept):] if last else []
-        return json_response([self.r.render_decision(rec) for rec in recent])
+        return json_response(self.decisions.recent(last))
 
     async def h_flush_cache(self, request: web.Request) -> web.Response:
-        res = await self.r.fan_out("flush_cache", "POST")
+        res = await self.fan_out("flush_cache", "POST")
         bad = {s.url: st for s, st, _ in res if st != 200}
         return json_response({"failed": bad}, 500) if bad else web.Response(status=200)
 

@@ -35,8 +35,9 @@ from typing import get_type_hints
 
 from eldr_sglang.cliparse import OneLineParser
 from eldr_sglang.core.policies import policy_names, policy_spec
-from eldr_sglang.router.app import Router, start_router
+from eldr_sglang.router.app import Router
 from eldr_sglang.router.config import RouterConfig, typed_value, validate_worker_url
+from eldr_sglang.router.serve import start_router
 
 
 def _prefill_arg(values: list[str]) -> tuple[str, Optional[int]]:

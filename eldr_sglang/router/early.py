@@ -10,12 +10,12 @@ sglang-router does) instead of after the prefill's signature message.
 A request falls back to late binding when the live artifact has no predictor or the
 prompt has no token ids (e.g. ``input_embeds``). Each request's path is counted in
 ``eldr_router_route_path_total{mode="early", path="early"|"late"}``. The dispatch
-calls :func:`early_route` once per request; everything else is this module's.
+calls :meth:`EarlyBinding.route` once per request; everything else is this module's.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -25,20 +25,19 @@ from eldr_sglang.router.scoring import PredictedRouting, path_counter
 
 
 class EarlyBinding:
-    """Per router: the predicted routing of its live artifact and the path counter."""
+    """Per router: the predicted routing of its live artifact and the path counter.
+    ``encoder()``: the router's live signature encoder (it changes on reloads)."""
 
-    def __init__(self, router: Any) -> None:
-        c = router.config
-        self.router, self.mode, self.margin = router, c.binding, float(c.binding_margin)
-        self.counter = path_counter(router.metrics.registry)
-        self._tok_path = c.tokenizer
+    def __init__(self, config: Any, registry: Any, encoder: Callable[[], Any]) -> None:
+        self.encoder, self.mode, self.margin = encoder, config.binding, float(config.binding_margin)
+        self.counter = path_counter(registry)
+        self._tok_path = config.tokenizer
         self._tokenizer: Any = None
         self._for: Any = None  # the artifact the cached PredictedRouting belongs to
         self._predicted: Optional[PredictedRouting] = None
 
     def _routing(self) -> Optional[PredictedRouting]:
-        enc = self.router.routing.encoder
-        art = getattr(enc, "artifact", None)
+        art = getattr(self.encoder(), "artifact", None)
         if art is None or getattr(art, "predictor", None) is None:
             return None
         if art is not self._for:  # a reload swapped the artifact
@@ -68,15 +67,6 @@ class EarlyBinding:
         return route
 
     def _confident(self, signature: np.ndarray) -> bool:
-        sims = np.sort(self.router.routing.encoder.centroids @ signature)
+        sims = np.sort(self.encoder().centroids @ signature)
         return sims.size < 2 or float(sims[-1] - sims[-2]) >= self.margin
 
-
-def early_route(router: Any, body: dict, endpoint: str, label: Optional[str]) -> Optional[RouteRequest]:
-    """What the dispatch asks before waiting for a signature: a route now, or None."""
-    eb = getattr(router, "_early_binding", None)
-    if eb is None:
-        if getattr(router.config, "binding", "late") == "late":
-            return None
-        eb = router._early_binding = EarlyBinding(router)
-    return eb.route(body, endpoint, label)

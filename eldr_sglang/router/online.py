@@ -4,7 +4,7 @@
 :class:`~eldr_sglang.core.online.OnlineCalibrator`, starts a fit when one is due
 (initial, drift, periodic, membership, manual), runs it off the event loop (a
 one-worker process pool by default: the fit's Python loops must not hold the GIL
-the event loop needs), swaps the result in as one :class:`~eldr_sglang.router.app.Routing`
+the event loop needs), swaps the result in as one :class:`~eldr_sglang.router.routing.Routing`
 value and writes it to ``--calibration-out``. One fit runs at a time; a fit whose
 decode pool changed while it ran is dropped and started again.
 
@@ -21,24 +21,30 @@ import logging
 import multiprocessing
 import os
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import Callable, Coroutine, Optional
 
 import numpy as np
 
 from eldr_sglang.core.online import FitResult, OnlineCalibrator, model_from_message, run_fit
-
-if TYPE_CHECKING:
-    from eldr_sglang.router.app import Router
+from eldr_sglang.router.config import RouterConfig
+from eldr_sglang.router.intake import RateLimitedLog
+from eldr_sglang.router.metrics import RouterMetrics
+from eldr_sglang.router.routing import RoutingState
 
 logger = logging.getLogger("eldr_sglang.router")
 WINDOW_MAX_BYTES = 2 << 30  # the online window of the first message's shape
 
 
 class OnlineController:
-    def __init__(self, router: "Router") -> None:
-        self.r = router
-        c = router.config
-        enc = router.routing.encoder
+    """Fits on the routing state's pool and installs into it; ``spawn`` runs a fit in
+    the background, ``log`` rate-limits the refusal warnings."""
+
+    def __init__(self, config: RouterConfig, metrics: RouterMetrics, state: RoutingState,
+                 spawn: Callable[[Coroutine], asyncio.Task], log: RateLimitedLog) -> None:
+        self.metrics, self.state, self.spawn, self.log = metrics, state, spawn, log
+        self.pool = state.pool
+        c = config
+        enc = state.routing.encoder
         start = enc.artifact if enc is not None and hasattr(enc.artifact, "checksum") else None
         self.calibrator = OnlineCalibrator(c.online_settings(), artifact=start)
         self.fit_in = c.online_fit_in
@@ -49,7 +55,7 @@ class OnlineController:
         self.failures = 0
         self.refused = 0  # messages of another shape than the window's
         self.last_error: Optional[str] = None
-        m = router.metrics
+        m = metrics
         m.calibration_online.set(2 if start is not None else 1)
 
     # ------------------------------------------------------------ intake side
@@ -77,8 +83,8 @@ class OnlineController:
         why = self.fits(msg)
         if why is not None:
             self.refused += 1
-            self.r.metrics.errors.labels("signature_online_mismatch").inc()
-            self.r.intake.log.warn("online_mismatch", "signature message not taken for the online "
+            self.metrics.errors.labels("signature_online_mismatch").inc()
+            self.log.warn("online_mismatch", "signature message not taken for the online "
                                    "fit: %s", why)
             return
         counts = msg["counts"]
@@ -94,9 +100,9 @@ class OnlineController:
         """Start a fit if one is due and none runs; its reason or None."""
         if self.task is not None and not self.task.done():
             return None
-        reason = self.calibrator.due(len(self.r.pool.decodes))
+        reason = self.calibrator.due(len(self.pool.decodes))
         if reason is not None:
-            self.task = self.r.spawn(self._fit(reason))
+            self.task = self.spawn(self._fit(reason))
         return reason
 
     # ------------------------------------------------------------ fitting
@@ -110,7 +116,7 @@ class OnlineController:
         return self.executor
 
     async def _fit(self, reason: str) -> None:
-        n = len(self.r.pool.decodes)
+        n = len(self.pool.decodes)
         owners = self._owners(n)
         loop = asyncio.get_running_loop()
         # copying the window (tens of MB) runs off the loop too; a row written meanwhile
@@ -123,12 +129,12 @@ class OnlineController:
         except Exception as e:  # noqa: BLE001 - a failed fit keeps the live calibration
             self.failures += 1
             self.last_error = f"{type(e).__name__}: {e}"
-            self.r.metrics.event("online_fit_failed")
+            self.metrics.event("online_fit_failed")
             logger.error("online fit (%s) failed, calibration kept: %s", reason, self.last_error)
             if isinstance(e, concurrent.futures.process.BrokenProcessPool):
                 self.executor = None
             return
-        if result.artifact.num_clusters != len(self.r.pool.decodes) or self._owners(n) != owners:
+        if result.artifact.num_clusters != len(self.pool.decodes) or self._owners(n) != owners:
             logger.info("decode pool changed during the online fit; fitting again")
             self.task = None
             self.maybe_fit()
@@ -138,7 +144,7 @@ class OnlineController:
         self.maybe_fit()  # traffic may already call for another
 
     def _owners(self, n: int) -> Optional[list[list[int]]]:
-        own = getattr(self.r.routing.policy, "ownership", None)
+        own = getattr(self.state.routing.policy, "ownership", None)
         if own is None or own.num_servers != n:
             return None
         return own.as_lists()
@@ -151,12 +157,12 @@ class OnlineController:
             try:
                 path = str(art.save(self.out))
             except OSError as e:
-                self.r.metrics.event("online_save_failed")
+                self.metrics.event("online_save_failed")
                 logger.error("cannot write --calibration-out %s: %s", self.out, e)
         self.calibrator.install(result)
-        self.r.install_artifact(art, path or f"online:{self.calibrator.generation}", origin="online")
+        self.state.install_artifact(art, path or f"online:{self.calibrator.generation}", origin="online")
         self.fitted_at = time.time()
-        m = self.r.metrics
+        m = self.metrics
         m.calibration_refits.labels(result.reason).inc()
         m.calibration_online.set(2)
         if result.churn is not None:
@@ -176,7 +182,7 @@ class OnlineController:
 
     # ------------------------------------------------------------ observability
     def update_gauges(self) -> None:
-        m, cal = self.r.metrics, self.calibrator
+        m, cal = self.metrics, self.calibrator
         m.calibration_signatures.set(len(cal.window))
         if self.fitted_at is not None:
             m.calibration_age.set(time.time() - self.fitted_at)
@@ -202,8 +208,9 @@ class OnlineController:
 class CalibrationWatcher:
     """Reload ``path`` whenever its modification time or size changes."""
 
-    def __init__(self, router: "Router", path: str, interval: float) -> None:
-        self.r, self.path, self.interval = router, path, interval
+    def __init__(self, reload: Callable[[str], dict], metrics: RouterMetrics, path: str,
+                 interval: float) -> None:
+        self.reload, self.metrics, self.path, self.interval = reload, metrics, path, interval
         self.seen = self._stamp()
         self.errors = 0
 
@@ -221,10 +228,10 @@ class CalibrationWatcher:
             return False
         self.seen = stamp
         try:
-            self.r.reload_calibration(self.path)
+            self.reload(self.path)
         except ValueError as e:  # half-written by a non-atomic writer, or bad: keep the live one
             self.errors += 1
-            self.r.metrics.reloads.labels("refused").inc()
+            self.metrics.reloads.labels("refused").inc()
             logger.warning("calibration watch: %s not loaded, previous kept: %s", self.path, e)
             return False
         return True

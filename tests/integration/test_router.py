@@ -273,9 +273,9 @@ def test_prefill_task_that_raises_ends_the_signature_wait():
     async def main():
         async with cluster(prefill_kw={"send_signature": False}, signature_timeout=20) as (
                 router, url, prefill, decodes, http):
-            async def broken(fl, endpoint):
+            async def broken(fl):
                 raise RuntimeError("boom")
-            router.dispatcher._prefill = broken
+            router.dispatcher.prefill = broken
             t0 = time.monotonic()
             st, raw = await post(http, f"{url}/generate", {"text": "topic:1"})
             assert st == 500 and "RuntimeError" in orjson.loads(raw)["error"]

@@ -126,7 +126,7 @@ def test_config_file_yaml_json_and_cli_override(tmp_path):
     assert a.decode == ["http://127.0.0.1:3", "http://127.0.0.1:4"]
     assert a.signature_timeout == 7.0 and a.health_interval == 0.5 and a.admin_token == "tok"
     r = build_router(a)
-    assert r.config.max_body_mb == 1 and r.decision_level == logging.INFO
+    assert r.config.max_body_mb == 1 and r.dispatcher.decision_level == logging.INFO
     assert r.routing.calibration_path == art
     (tmp_path / "r.json").write_text(json.dumps({"prefill": ["http://p:1"], "decode": ["http://d:1"],
                                                  "policy": "jsq"}))

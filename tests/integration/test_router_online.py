@@ -37,7 +37,7 @@ async def send(http, url, n, start=0):
 
 
 def decode_of(router, last):
-    return [rec[5] for rec in list(router.decisions)[-last:]]
+    return [rec.decode for rec in list(router.decisions)[-last:]]
 
 
 def test_starts_without_artifact_routes_by_load_then_by_signature(tmp_path):

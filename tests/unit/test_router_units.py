@@ -7,7 +7,7 @@ import pytest
 
 from eldr_sglang.patches.publish import RETURN_ADDRESS_KEY
 from eldr_sglang.router.config import RouterConfig, validate_worker_url
-from eldr_sglang.router.dispatch import set_return_address
+from eldr_sglang.router.body_rules import set_return_address
 from eldr_sglang.router.intake import RateLimitedLog
 from eldr_sglang.router.metrics import RouterMetrics
 from eldr_sglang.router.signatures import WaitLimit
