@@ -44,6 +44,7 @@ from eldr_sglang.router.bodies import BodyError, read_body
 from eldr_sglang.router.client_guard import ClientGuards
 from eldr_sglang.router.clients import REQUEST_ID_KEY, RequestIds, as_openai_error, bearer_matches, unauthorized
 from eldr_sglang.router.config import WORKER_KEEPALIVE_S, RouterConfig
+from eldr_sglang.router.http_conventions import install as install_conventions
 from eldr_sglang.router.metrics import RouterMetrics
 from eldr_sglang.router.responses import JSON, error_response, json_response, worker_error_response
 from eldr_sglang.router.scoring import PredictedRouting, ScoreEndpoint, decide, path_counter
@@ -303,6 +304,7 @@ class ColocatedRouter:
 
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors], client_max_size=int(self.config.max_body_mb * (1 << 20)))
+        install_conventions(app, self.config, self.config.request_id_headers)  # CORS, access log
         r = app.router
         for path in WORK:
             r.add_post(path, self.handle)
