@@ -15,7 +15,7 @@ from __future__ import annotations
 from eldr_sglang.patches import state as engine
 from eldr_sglang.patches.messages import META_KEY, return_address, signature_message, wants_signature
 from eldr_sglang.patches.state import HEALTH_CHECK_PREFIX, CaptureState
-from eldr_sglang.patches.trace_log import clear_gate_sums, colocated, write_prefill_trace
+from eldr_sglang.patches.trace_records import clear_gate_sums, colocated, write_prefill_trace
 from eldr_sglang.radix_signature import request_counts
 
 

@@ -11,7 +11,7 @@
 
 ``python -m eldr_sglang.collect_traces`` joins them by rid into the calibration
 core's trace shards. Writes happen on a daemon thread; the scheduler only
-enqueues.
+enqueues (the records come from :mod:`~eldr_sglang.patches.trace_records`).
 """
 
 from __future__ import annotations
@@ -21,15 +21,6 @@ import os
 import queue
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-import torch
-
-from eldr_sglang.patches.messages import signature_message
-from eldr_sglang.radix_signature import request_counts
-
-if TYPE_CHECKING:
-    from eldr_sglang.patches.state import CaptureState
 
 KINDS = ("prefill", "decode", "steps")
 
@@ -43,32 +34,18 @@ class TraceLog:
     def write(self, kind: str, record: dict) -> None:
         self.queue.put_nowait((kind, record))
 
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every record written so far is in its file (True), at most ``timeout`` s (False)."""
+        q = self.queue
+        with q.all_tasks_done:
+            return q.all_tasks_done.wait_for(lambda: q.unfinished_tasks == 0, timeout)
+
     def _run(self) -> None:
         files = {k: open(self.directory / f"{k}-{os.getpid()}.jsonl", "a", buffering=1) for k in KINDS}
         while True:
             kind, record = self.queue.get()
-            files[kind].write(json.dumps(record) + "\n")
+            try:
+                files[kind].write(json.dumps(record) + "\n")  # line-buffered: in the file once written
+            finally:
+                self.queue.task_done()
 
-
-def clear_gate_sums(state: "CaptureState", row: int) -> None:
-    """Zero a request-pool row's gate sums (its next request starts at 0)."""
-    if state.gate_prob is not None:
-        state.gate_prob[row] = 0
-        state.gate_logit[row] = 0
-
-
-def colocated(state: "CaptureState") -> bool:
-    """A server that prefills and decodes (no PD disaggregation)."""
-    mode = getattr(getattr(state.scheduler, "disaggregation_mode", None), "value", "null")
-    return state.scheduler is not None and mode == "null"
-
-
-def write_prefill_trace(state: "CaptureState", req, scheduler, counts: torch.Tensor | None = None) -> None:
-    """Trace mode: the prompt's expert counts (every layer) and gate sums; clears the row."""
-    if counts is None:
-        counts = request_counts(scheduler.req_to_token_pool, req, state.table)
-    row = req.kv.req_pool_idx
-    state.trace_writer.write("prefill", {
-        **signature_message(req, counts, state.table.layers), "gate_prob_sums": state.gate_prob[row].cpu().tolist(),
-        "gate_logit_sums": state.gate_logit[row].cpu().tolist()})
-    clear_gate_sums(state, row)
