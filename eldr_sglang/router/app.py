@@ -39,7 +39,6 @@ from eldr_sglang.router.clients import (REQUEST_ID_KEY, RequestIds, as_openai_er
                                         bearer_matches, unauthorized)
 from eldr_sglang.router.config import WORKER_KEEPALIVE_S, RouterConfig
 from eldr_sglang.router.http_conventions import install as install_conventions
-from eldr_sglang.router.http_conventions import install as install_conventions
 from eldr_sglang.router.decision_log import DecisionLog
 from eldr_sglang.router.dispatch import Dispatcher
 from eldr_sglang.router.dispatch_parts import DispatchParts
@@ -377,7 +376,6 @@ class Router:
 
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[self._json_errors], client_max_size=self.body_limit)
-        install_conventions(app, self.config, self.config.request_id_headers)  # CORS, access log
         install_conventions(app, self.config, self.config.request_id_headers)  # CORS, access log
         r, admin = app.router, self.admin
         r.add_post("/generate", self.h_generate)

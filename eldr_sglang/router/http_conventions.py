@@ -55,8 +55,6 @@ def install(app: web.Application, config: Any, request_id_headers: str = "") -> 
     origins = cors_origins_of(getattr(config, "cors_origins", None))
     exposed = ", ".join(dict.fromkeys([*CORS_EXPOSED.split(", "),
                                        *(h.strip() for h in request_id_headers.split(",") if h.strip())]))
-    if getattr(config, "access_log", False):
-        app.middlewares.insert(0, _access_log(logging.getLogger(ACCESS_LOGGER)))
     if origins:
         app.middlewares.insert(0, _preflight(origins))
 
@@ -69,6 +67,8 @@ def install(app: web.Application, config: Any, request_id_headers: str = "") -> 
                     response.headers["Vary"] = "Origin"
 
         app.on_response_prepare.append(cors_headers)
+    if getattr(config, "access_log", False):  # outermost: preflights are logged too
+        app.middlewares.insert(0, _access_log(logging.getLogger(ACCESS_LOGGER)))
 
 
 def _allowed(request: web.Request, origins: frozenset[str]) -> Optional[str]:

@@ -22,51 +22,47 @@ PREFLIGHT = {"Origin": APP, "Access-Control-Request-Method": "POST",
              "Access-Control-Request-Headers": "authorization, content-type"}
 
 
-def test_cors_preflight_and_answers_for_allowed_origins_only():
-    async def main():
-        async with cluster(n_decode=2, policy="round_robin", cors_origins=f"{APP}, http://localhost:3000",
-                           api_key="ck") as (router, url, prefill, decodes, http):
-            # a preflight carries no credentials: answered before the API-key check
-            async with http.options(f"{url}/v1/chat/completions", headers=PREFLIGHT) as r:
-                assert r.status == 204
-                assert r.headers["Access-Control-Allow-Origin"] == APP
-                assert "POST" in r.headers["Access-Control-Allow-Methods"]
-                assert r.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
-            async with http.options(f"{url}/generate", headers={**PREFLIGHT, "Origin": "https://evil.example"}) as r:
-                assert r.status == 403 and "Access-Control-Allow-Origin" not in r.headers
-            ok = {"Authorization": "Bearer ck", "Origin": APP}
-            async with http.post(f"{url}/generate", data=orjson.dumps({"text": "topic:0"}), headers=ok) as r:
-                assert r.status == 200
-                assert r.headers["Access-Control-Allow-Origin"] == APP and r.headers["Vary"] == "Origin"
-                assert "x-request-id" in r.headers["Access-Control-Expose-Headers"].lower()
-            body = {"text": "topic:1", "stream": True}  # a stream sends its headers before the handler returns
-            async with http.post(f"{url}/generate", data=orjson.dumps(body), headers=ok) as r:
-                await r.read()
-                assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == APP
-            async with http.post(f"{url}/generate", data=orjson.dumps({"text": "topic:0"}),
-                                 headers={"Origin": APP}) as r:  # refusals carry it too (the browser reads them)
-                assert r.status == 401 and r.headers["Access-Control-Allow-Origin"] == APP
-            async with http.get(f"{url}/health", headers={"Origin": "https://evil.example"}) as r:
-                assert r.status == 200 and "Access-Control-Allow-Origin" not in r.headers
-            async with http.get(f"{url}/health") as r:
-                assert "Access-Control-Allow-Origin" not in r.headers
-        async with cluster(n_decode=2, policy="round_robin") as (router, url, prefill, decodes, http):
-            async with http.options(f"{url}/generate", headers=PREFLIGHT) as r:
-                assert r.status == 405 and "Access-Control-Allow-Origin" not in r.headers
-            async with http.post(f"{url}/generate", data=orjson.dumps({"text": "topic:0"}),
-                                 headers={"Origin": APP}) as r:
-                assert r.status == 200 and "Access-Control-Allow-Origin" not in r.headers
-    run(main())
+async def test_cors_preflight_and_answers_for_allowed_origins_only():
+    async with cluster(n_decode=2, policy="round_robin", cors_origins=f"{APP}, http://localhost:3000",
+                       api_key="ck") as (router, url, prefill, decodes, http):
+        # a preflight carries no credentials: answered before the API-key check
+        async with http.options(f"{url}/v1/chat/completions", headers=PREFLIGHT) as r:
+            assert r.status == 204
+            assert r.headers["Access-Control-Allow-Origin"] == APP
+            assert "POST" in r.headers["Access-Control-Allow-Methods"]
+            assert r.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+        async with http.options(f"{url}/generate", headers={**PREFLIGHT, "Origin": "https://evil.example"}) as r:
+            assert r.status == 403 and "Access-Control-Allow-Origin" not in r.headers
+        ok = {"Authorization": "Bearer ck", "Origin": APP}
+        async with http.post(f"{url}/generate", data=orjson.dumps({"text": "topic:0"}), headers=ok) as r:
+            assert r.status == 200
+            assert r.headers["Access-Control-Allow-Origin"] == APP and r.headers["Vary"] == "Origin"
+            assert "x-request-id" in r.headers["Access-Control-Expose-Headers"].lower()
+        body = {"text": "topic:1", "stream": True}  # a stream sends its headers before the handler returns
+        async with http.post(f"{url}/generate", data=orjson.dumps(body), headers=ok) as r:
+            await r.read()
+            assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == APP
+        async with http.post(f"{url}/generate", data=orjson.dumps({"text": "topic:0"}),
+                             headers={"Origin": APP}) as r:  # refusals carry it too (the browser reads them)
+            assert r.status == 401 and r.headers["Access-Control-Allow-Origin"] == APP
+        async with http.get(f"{url}/health", headers={"Origin": "https://evil.example"}) as r:
+            assert r.status == 200 and "Access-Control-Allow-Origin" not in r.headers
+        async with http.get(f"{url}/health") as r:
+            assert "Access-Control-Allow-Origin" not in r.headers
+    async with cluster(n_decode=2, policy="round_robin") as (router, url, prefill, decodes, http):
+        async with http.options(f"{url}/generate", headers=PREFLIGHT) as r:
+            assert r.status == 405 and "Access-Control-Allow-Origin" not in r.headers
+        async with http.post(f"{url}/generate", data=orjson.dumps({"text": "topic:0"}),
+                             headers={"Origin": APP}) as r:
+            assert r.status == 200 and "Access-Control-Allow-Origin" not in r.headers
 
 
-def test_any_origin_with_a_star():
-    async def main():
-        async with cluster(n_decode=2, policy="round_robin", cors_origins="*") as (
-                router, url, prefill, decodes, http):
-            async with http.get(f"{url}/v1/models", headers={"Origin": "https://x.example"}) as r:
-                assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == "*"
-                assert "Vary" not in r.headers
-    run(main())
+async def test_any_origin_with_a_star():
+    async with cluster(n_decode=2, policy="round_robin", cors_origins="*") as (
+            router, url, prefill, decodes, http):
+        async with http.get(f"{url}/v1/models", headers={"Origin": "https://x.example"}) as r:
+            assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == "*"
+            assert "Vary" not in r.headers
 
 
 def test_access_log_has_one_line_per_request(caplog):
@@ -136,3 +132,33 @@ def test_bad_flags_are_one_line(capsys, extra, wanted):
         router_cli.main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and wanted in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_colocated_router_has_them_too(caplog):
+    from eldr_sglang.router.colocated import ColocatedRouter
+    from eldr_sglang.router.serve import start_router
+    from eldr_sglang.testing.stub_worker import StubWorker
+    from tests.integration.test_colocated import make_artifact, topic_ids
+
+    async def main():
+        import aiohttp
+        workers = [StubWorker("decode", name=f"w{i}") for i in range(4)]
+        urls = [await w.start() for w in workers]
+        router = ColocatedRouter(urls, artifact=make_artifact(), policy="eldr", health_interval=0, load_interval=0,
+                                 cors_origins=APP, access_log=True)
+        runner, port = await start_router(router)
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.options(f"http://127.0.0.1:{port}/generate", headers=PREFLIGHT) as r:
+                    assert r.status == 204 and r.headers["Access-Control-Allow-Origin"] == APP
+                body = {"input_ids": topic_ids(1), "sampling_params": {"max_new_tokens": 2}}
+                async with http.post(f"http://127.0.0.1:{port}/generate", json=body, headers={"Origin": APP}) as r:
+                    assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == APP
+        finally:
+            await runner.cleanup()
+            for w in workers:
+                await w.stop()
+    with caplog.at_level(logging.INFO, logger=ACCESS_LOGGER):
+        run(main())
+    assert [(r.method, r.status) for r in caplog.records if r.name == ACCESS_LOGGER] == [("OPTIONS", 204),
+                                                                                         ("POST", 200)]
