@@ -32,16 +32,15 @@ class EngineConfig:
     metrics_port: int | None = None  # Prometheus endpoint of the scheduler process
     trace_dir: str | None = None  # per-request expert counts (trace mode)
     publish_timeout: float = 2.0
+    signature_key_file: str | None = None  # key signing published messages (else env ELDR_SIGNATURE_KEY)
+    publish_allow: tuple[str, ...] | None = None  # CIDRs / host names a request may name as destination
 
     @property
     def active(self) -> bool:
         return any(v is not None for v in (self.calibration, self.layers, self.metrics_port, self.trace_dir))
 
     def to_env(self) -> str:
-        d = asdict(self)
-        if isinstance(self.layers, tuple):
-            d["layers"] = list(self.layers)
-        return json.dumps(d)
+        return json.dumps(asdict(self))  # tuples become lists
 
     @classmethod
     def from_env(cls, environ=os.environ) -> "EngineConfig":
@@ -49,8 +48,9 @@ class EngineConfig:
         if not raw:
             return cls()
         d = json.loads(raw)
-        if isinstance(d.get("layers"), list):
-            d["layers"] = tuple(d["layers"])
+        for key in ("layers", "publish_allow"):
+            if isinstance(d.get(key), list):
+                d[key] = tuple(d[key])
         return cls(**d)
 
 
@@ -115,6 +115,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="trace mode: per-request expert counts as JSON lines")
     p.add_argument("--eldr-publish-timeout", dest="publish_timeout", metavar="S",
                    help="connect/send timeout of one publish (default 2, > 0)")
+    p.add_argument("--eldr-publish-allow", dest="publish_allow", metavar="CIDR_OR_HOST[,...]",
+                   help="destinations a request may name for its signature (default: with 'request' this "
+                        "machine only, with a URL any); the --eldr-publish URL's host is always allowed")
+    p.add_argument("--eldr-signature-key-file", dest="signature_key_file", metavar="PATH",
+                   help="sign published messages with this shared key (HMAC-SHA256; the routers' "
+                        "--signature-key-file; default: env ELDR_SIGNATURE_KEY)")
     return p
 
 
@@ -167,6 +173,24 @@ def parse_eldr_flags(argv: list[str]) -> EngineConfig:
         if ns.calibration is None and ns.layers is None:
             kw["layers"] = SPREAD  # no artifact yet (a router with --online learns one)
         kw["publish"] = _url(ns.publish)
+    if ns.publish_allow is not None:
+        if ns.publish is None:
+            raise FlagError("--eldr-publish-allow: only with --eldr-publish (it limits where signatures go)")
+        from eldr_sglang.patches.publish_allow import parse_entries
+
+        try:
+            kw["publish_allow"] = parse_entries(ns.publish_allow)
+        except ValueError as exc:
+            raise FlagError(f"--eldr-publish-allow: {exc}") from None
+    if ns.signature_key_file is not None or ns.publish is not None:
+        from eldr_sglang.core.wire import load_key
+
+        try:
+            load_key(ns.signature_key_file, "--eldr-signature-key-file")
+        except ValueError as exc:
+            raise FlagError(str(exc)) from None
+        if ns.signature_key_file is not None:
+            kw["signature_key_file"] = str(Path(ns.signature_key_file).resolve())
     if ns.metrics_port is not None:
         if not ns.metrics_port.isdigit() or not 0 < int(ns.metrics_port) < 65536:
             raise FlagError(f"--eldr-metrics-port: expected a TCP port, got {ns.metrics_port!r}")
@@ -298,7 +322,7 @@ def prepare_server_args_around(original, argv, *args, **kwargs):
     try:
         config = parse_eldr_flags(ours)
         if config.active:  # fail loud: a renamed hook target would capture nothing
-            from eldr_sglang.patches import check_sglang
+            from eldr_sglang.patches.targets import check_sglang
 
             check_sglang()
         server_args = original(graph_safe_argv(config, theirs), *args, **kwargs)

@@ -40,6 +40,9 @@ ENGINE_METRICS: tuple[tuple[str, str, str, Callable[["CaptureState"], float]], .
     ("eldr_signatures_sent", "counter", "Signature messages delivered to the router", _published("sent")),
     ("eldr_signatures_dropped", "counter", "Signature messages dropped (router unreachable or queue full)",
      _published("dropped")),
+    ("eldr_signatures_refused_destinations", "counter",
+     "Signature messages whose return address --eldr-publish-allow refused (never connected to)",
+     _published("refused_destinations")),
 )
 
 

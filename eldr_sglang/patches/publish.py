@@ -18,6 +18,12 @@ least-loaded routing for those requests. A send that failed after ``t``
 seconds (a silent host: the timeout) skips its destination for ``20 t``, so a
 dead router delays the others' messages by at most ~5% of the time.
 
+With a shared key (``--eldr-signature-key-file`` or ``ELDR_SIGNATURE_KEY``) every
+HTTP body and TCP line carries its HMAC. A request's destination outside
+``--eldr-publish-allow`` (:mod:`~eldr_sglang.patches.publish_allow`) is never
+connected to: its message goes to the default address instead (or is dropped),
+counted in ``refused_destinations`` and logged once per destination.
+
 The message and its framing are :mod:`eldr_sglang.core.wire`'s. Imports neither
 SGLang nor torch.
 """
@@ -37,10 +43,12 @@ from collections import OrderedDict
 
 from eldr_sglang.core import wire
 from eldr_sglang.core.wire import RETURN_ADDRESS_KEY  # noqa: F401 (where a request's router wants it)
+from eldr_sglang.patches.publish_allow import DestinationAllowList
 
 logger = logging.getLogger("eldr_sglang.publish")
 
 MAX_DESTINATIONS = 32  # kept-open connections besides the default one (least recently used closed first)
+MAX_REFUSED_LOGGED = 1024  # refused destinations remembered (each logged once)
 _BACKOFF = 20  # a send failing after t seconds skips its destination for _BACKOFF * t
 _LOG_EVERY = 60.0
 _RECONNECT = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
@@ -87,11 +95,16 @@ class SignaturePublisher:
     """Delivers ``submit``-ted messages to each one's destination (or the default ``url``)."""
 
     def __init__(self, url: str | None = None, timeout: float = 2.0, max_batch: int = 64,
-                 max_queue: int = 10_000, max_destinations: int = MAX_DESTINATIONS) -> None:
+                 max_queue: int = 10_000, max_destinations: int = MAX_DESTINATIONS,
+                 key: bytes | None = None, allow: DestinationAllowList | None = None) -> None:
         if not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
             raise ValueError(f"--eldr-publish-timeout must be a positive number of seconds, got {timeout!r}")
         self.url = url
         self._default = _Endpoint(url) if url else None  # ValueError for a bad URL
+        self.key = key  # signs every body / line (HMAC-SHA256) when set
+        self.allow = allow or DestinationAllowList(None)
+        self.refused_destinations = 0  # messages whose destination the allow-list refused
+        self._refused_logged: set[str] = set()
         self._endpoints: OrderedDict[str, _Endpoint] = OrderedDict()  # per-request destinations, LRU order
         self.max_destinations = max_destinations
         self.timeout = timeout
@@ -147,6 +160,8 @@ class SignaturePublisher:
             return ep
         try:
             ep = _Endpoint(dest)
+            if not self.allow.allows(ep.host):
+                return self._refuse(dest)
         except ValueError:
             self.invalid_destinations += 1
             now = time.monotonic()
@@ -160,13 +175,22 @@ class SignaturePublisher:
             self._endpoints.popitem(last=False)[1].close()
         return ep
 
+    def _refuse(self, dest: str) -> _Endpoint | None:
+        self.refused_destinations += 1
+        if dest not in self._refused_logged and len(self._refused_logged) < MAX_REFUSED_LOGGED:
+            self._refused_logged.add(dest)
+            logger.warning("eldr-sglang: signature return address %r is outside --eldr-publish-allow (%s); "
+                           "not connecting, sending to %s instead", dest, self.allow.describe(),
+                           self.url or "nowhere (dropped)")
+        return self._default
+
     # ------------------------------------------------------------ transports
     def _send_http(self, ep: _Endpoint, batch: list[dict]) -> None:
         if ep.conn is None:
             cls = http.client.HTTPSConnection if ep.scheme == "https" else http.client.HTTPConnection
             ep.conn = cls(ep.host, ep.port, timeout=self.timeout)
             self.connections += 1
-        body, headers = wire.http_body(batch)
+        body, headers = wire.http_body(batch, self.key)
         ep.conn.request("POST", ep.path, body=body, headers=headers)
         resp = ep.conn.getresponse()
         resp.read()
@@ -185,7 +209,7 @@ class SignaturePublisher:
             ep.poll.register(sock, select.POLLIN)
             ep.sock = sock
             self.connections += 1
-        ep.sock.sendall(wire.stream_lines(batch))
+        ep.sock.sendall(wire.stream_lines(batch, self.key))
 
     def _post(self, ep: _Endpoint, batch: list[dict]) -> None:
         t0 = time.monotonic()
@@ -210,3 +234,29 @@ class SignaturePublisher:
                 ep.last_log = now
                 logger.warning("eldr-sglang: could not publish %d signature(s) to %s: %s",
                                len(batch), ep.url, exc)
+
+
+def publisher_for(config) -> SignaturePublisher:
+    """The publisher an :class:`~eldr_sglang.patches.flags.EngineConfig` describes (its
+    key, allow-list and default address), saying at start what it may connect to."""
+    from eldr_sglang.patches.flags import REQUEST_ONLY
+
+    default = None if config.publish == REQUEST_ONLY else config.publish
+    always = [parse_destination(default)[1]] if default else []
+    if config.publish_allow is not None:
+        allow = DestinationAllowList(config.publish_allow, always)
+    elif default is None:
+        allow = DestinationAllowList.local()
+        logger.warning("eldr-sglang: --eldr-publish request without --eldr-publish-allow: signatures go only "
+                       "to routers on this machine (%s); name the routers' hosts or CIDRs with "
+                       "--eldr-publish-allow", allow.describe())
+    else:
+        allow = DestinationAllowList(None)
+        logger.warning("eldr-sglang: no --eldr-publish-allow: a request's signature return address may name "
+                       "any host (a client reaching this server directly can make it connect anywhere); "
+                       "set --eldr-publish-allow to the routers' hosts or CIDRs")
+    key = wire.load_key(config.signature_key_file, "--eldr-signature-key-file")
+    if key is None:
+        logger.info("eldr-sglang: signature messages are not signed (no --eldr-signature-key-file or %s)",
+                    wire.KEY_ENV)
+    return SignaturePublisher(default, timeout=config.publish_timeout, key=key, allow=allow)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from eldr_sglang.patches.flags import REQUEST_ONLY, SPREAD, EngineConfig, FlagError, check_model_dims
-from eldr_sglang.patches.publish import SignaturePublisher
+from eldr_sglang.patches.flags import SPREAD, EngineConfig, FlagError, check_model_dims
+from eldr_sglang.patches.publish import publisher_for
 from eldr_sglang.radix_signature import ExpertSlotTable
 from eldr_sglang.radix_signature.staging import ExpertStage
 
@@ -202,8 +202,7 @@ def initialise(state: CaptureState, model_runner) -> None:
         state.ready = True
         return
     if state.config.publish and state.table is not None:
-        default = None if state.config.publish == REQUEST_ONLY else state.config.publish
-        state.publisher = SignaturePublisher(default, timeout=state.config.publish_timeout)
+        state.publisher = publisher_for(state.config)
     if state.config.trace_dir:
         from eldr_sglang.patches.trace_log import TraceLog
 

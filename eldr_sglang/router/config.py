@@ -111,6 +111,9 @@ class RouterConfig:
     signature_buffer: int = _opt("max early (unclaimed) signature messages kept", 4096)
     signature_buffer_mb: float = _opt("max MiB of early signature messages kept", 64.0)
     signature_max_kb: float = _opt("largest signature message (KiB); larger is refused", 1024.0)
+    signature_key_file: Optional[str] = _opt(
+        "file holding the key engines sign signature messages with (HMAC-SHA256); unsigned or "
+        "wrongly signed ones are refused (default: env ELDR_SIGNATURE_KEY; none: taken unsigned)")
     # workers: health, breaker, load
     health_interval: float = _opt("seconds between GET /health checks of every worker (0: off)", 5.0)
     health_timeout: float = _opt("health check timeout", 2.0)
@@ -224,6 +227,7 @@ class RouterConfig:
             raise ValueError(f"signature_port: {self.signature_port} is the router's port; pick another")
         if self.online:
             self.online_settings()
+        self.signature_key()  # a bad key file fails here, naming the field
         if self.calibration_watch and not self.calibration:
             raise ValueError("calibration_watch: needs --calibration (the file to follow)")
         if self.calibration_watch and self.online:
@@ -273,6 +277,13 @@ class RouterConfig:
             words = str(e).split()
             name = "online_" + words[1].rstrip(":") if len(words) > 1 else "online"
             raise ValueError(f"{name}: {e}") from None
+
+    def signature_key(self) -> Optional[bytes]:
+        """The signature messages' shared key: ``signature_key_file``'s, else
+        ``$ELDR_SIGNATURE_KEY``'s, else None (ValueError naming the field)."""
+        from eldr_sglang.core.wire import load_key
+
+        return load_key(self.signature_key_file, "signature_key_file")
 
     @property
     def inflight_limit(self) -> int:

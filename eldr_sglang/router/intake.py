@@ -6,6 +6,12 @@ the board, refuse messages over ``signature_max_kb``, count every refusal and lo
 refusals at most once per ``LOG_EVERY`` seconds per kind (a misconfigured engine
 must not flood the log). Bodies and lines of ``OFF_LOOP_BYTES`` or more are parsed
 and validated in the parser process, off the event loop.
+
+With a shared key (``--signature-key-file`` or ``ELDR_SIGNATURE_KEY``) a body or line
+must carry its HMAC (:mod:`eldr_sglang.core.wire`): unsigned is refused (HTTP 401),
+wrongly signed too (403), both counted in ``eldr_router_signature_auth_refused``,
+before anything is parsed: a refused message never reaches the board or the online
+window. Without a key, a signed body or line is taken as it is (its MAC unchecked).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from aiohttp import web
 
 from eldr_sglang.router.bodies import BodyError, BodyParser, read_body
 from eldr_sglang.router.metrics import RouterMetrics
+from eldr_sglang.core import wire
 from eldr_sglang.core.wire import parse_message, preparse
 from eldr_sglang.router.signatures import SignatureBoard, SignatureEncoder, SignatureError
 
@@ -51,8 +58,10 @@ class SignatureIntake:
                  encoder: Callable[[], Optional[SignatureEncoder]],
                  buffering: Callable[[], bool],
                  observer: Optional[Callable[[dict], None]] = None,
-                 parser: Optional[BodyParser] = None, body_timeout: Optional[float] = None) -> None:
+                 parser: Optional[BodyParser] = None, body_timeout: Optional[float] = None,
+                 key: Optional[bytes] = None) -> None:
         self.board, self.metrics, self.max_bytes = board, metrics, max_bytes
+        self.key = key  # shared signing key: messages without its HMAC are refused
         self.parser = parser or BodyParser()
         self.body_timeout = body_timeout
         self.encoder = encoder  # the router's current encoder (it changes on reloads)
@@ -68,6 +77,18 @@ class SignatureIntake:
         self.metrics.signatures.labels("invalid").inc(n)
         self.metrics.errors.labels(f"signature_{kind}").inc(n)
         self.log.warn(kind, "signature message refused (%s) from %s: %s", kind, peer or "?", detail)
+
+    def authentic(self, data: bytes, given: Optional[bytes | str], peer: Any = None) -> Optional[str]:
+        """None if ``data`` may be parsed (no key, or its MAC checks), else why not
+        ("unsigned" or "bad_mac"), counted and logged."""
+        if self.key is None:
+            return None
+        reason = "unsigned" if given is None else None if wire.verify(self.key, data, given) else "bad_mac"
+        if reason is not None:
+            self.metrics.signature_auth_refused.labels(reason).inc()
+            self.log.warn(f"auth_{reason}", "signature message refused (%s) from %s: %s", reason,
+                          peer or "?", "no HMAC" if reason == "unsigned" else "HMAC does not match the key")
+        return reason
 
     def accept(self, data: Any, peer: Any = None) -> tuple[int, int, list[str]]:
         """Validate and deliver one message or a list; (delivered, buffered, errors)."""
@@ -105,6 +126,11 @@ class SignatureIntake:
         except BodyError as e:
             self.refused("too_large" if e.status == 413 else "body_timeout", str(e), request.remote)
             return _json({"error": f"signature body: {e}"}, e.status)
+        refused = self.authentic(raw, request.headers.get(wire.MAC_HEADER), request.remote)
+        if refused == "unsigned":
+            return _json({"error": f"signature messages must be signed: {wire.MAC_HEADER} header missing"}, 401)
+        if refused is not None:
+            return _json({"error": f"{wire.MAC_HEADER} does not match the body under this router's key"}, 403)
         try:
             data = await self.parser.run(preparse, raw)
         except orjson.JSONDecodeError as e:
@@ -141,6 +167,9 @@ class SignatureIntake:
                 if not line:
                     break
                 if line.isspace():
+                    continue
+                given, line = wire.split_line(line)
+                if self.authentic(line, given, peer) is not None:
                     continue
                 try:
                     data = await self.parser.run(preparse, line)

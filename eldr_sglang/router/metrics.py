@@ -121,6 +121,9 @@ class RouterMetrics:
                                "(never reached the first one)", ["role"], registry=r)
         self.signatures = Counter("eldr_router_signature_messages",
                                   "Signature messages received", ["outcome"], registry=r)
+        self.signature_auth_refused = Counter(
+            "eldr_router_signature_auth_refused", "Signature bodies (HTTP) or lines (TCP) refused "
+            "under --signature-key-file: unsigned, bad_mac (HMAC does not match)", ["reason"], registry=r)
         self.inflight = Gauge("eldr_router_inflight", "In-flight requests per server",
                               ["role", "server"], registry=r)
         self.healthy = Gauge("eldr_router_server_healthy",

@@ -19,7 +19,8 @@ that connection without an answer, "stop" stops the whole server, "exit" ends th
 process -- the CLI default), ``hang`` (never answer until aborted),
 ``send_signature=False`` / ``--no-signature`` (prefill never posts a signature),
 ``signature_url`` (``http://.../eldr/signature`` or ``tcp://host:port``),
-``signature_delay`` (slow publish), ``signature_on_failure=False`` (a failing prefill
+``signature_delay`` (slow publish), ``signature_key`` (signs messages as the engine's
+``--eldr-signature-key-file`` does), ``signature_on_failure=False`` (a failing prefill
 fails before publishing; by default it publishes first, as a prefill whose KV
 transfer fails later does), ``fail_after_kv`` (share of prefill requests that fail
 after a decode took the room: the prefill's answer is 500 while the decode
@@ -43,7 +44,6 @@ counts already packed (:func:`~eldr_sglang.core.counts_codec.pack_counts`).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -58,6 +58,7 @@ import numpy as np
 import orjson
 from aiohttp import web
 
+from eldr_sglang.cliparse import OneLineParser
 from eldr_sglang.core import wire
 from eldr_sglang.router.cli import run_loop
 
@@ -170,6 +171,7 @@ class StubWorker:
         send_signature: bool = True,
         signature_url: Optional[str] = None,
         signature_delay: float = 0.0,
+        signature_key: Optional[bytes] = None,
         layers: Sequence[int] = (0, 1),
         num_experts: int = 8,
         counts_fn: Optional[Callable[[str], list]] = None,
@@ -196,6 +198,7 @@ class StubWorker:
         self.health_checks = 0
         self.send_signature, self.signature_url = send_signature, signature_url
         self.signature_delay = signature_delay
+        self.signature_key = signature_key  # signs each message as the engine does (HMAC)
         self.layers, self.num_experts = list(layers), num_experts
         self.counts_fn = counts_fn or (lambda t: topic_counts(t, self.layers, self.num_experts))
         self.packed_counts = packed_counts
@@ -341,7 +344,7 @@ class StubWorker:
         w = self._writers.get(dest)
         if w is not None and not w.is_closing():
             batch, self._outbox[dest] = self._outbox[dest], []
-            w.write(wire.stream_lines(batch))
+            w.write(wire.stream_lines(batch, self.signature_key))
         else:
             self._senders[dest] = self._track(self._send_outbox(dest))
 
@@ -357,10 +360,10 @@ class StubWorker:
                         u = urllib.parse.urlsplit(dest)
                         _, w = await asyncio.open_connection(u.hostname, u.port)
                         self._writers[dest] = w
-                    w.write(wire.stream_lines(batch))
+                    w.write(wire.stream_lines(batch, self.signature_key))
                     await w.drain()
                 else:
-                    body, headers = wire.http_body(batch if len(batch) > 1 else batch[0])
+                    body, headers = wire.http_body(batch if len(batch) > 1 else batch[0], self.signature_key)
                     async with self._session.post(dest, data=body, headers=headers) as r:
                         await r.read()
             except (aiohttp.ClientError, OSError):
@@ -479,7 +482,7 @@ def _return_address(body: dict) -> Optional[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    p = argparse.ArgumentParser(description="Fake SGLang PD worker")
+    p = OneLineParser(description="Fake SGLang PD worker")
     p.add_argument("--role", choices=("prefill", "decode"), default="decode")
     p.add_argument("--name")
     p.add_argument("--host", default="127.0.0.1")
@@ -496,6 +499,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--no-signature", action="store_true", help="prefill never posts a signature")
     p.add_argument("--signature-url", help="router callback, e.g. http://127.0.0.1:8000/eldr/signature")
     p.add_argument("--signature-delay", type=float, default=0.0)
+    p.add_argument("--signature-key-file", help="sign signature messages with this key (HMAC-SHA256)")
     p.add_argument("--list-counts", action="store_true", help="counts as JSON rows, not packed")
     p.add_argument("--layers", default="0,1")
     p.add_argument("--num-experts", type=int, default=8)
@@ -504,11 +508,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--backlog", type=int, default=2048,
                    help="listen backlog (default: SGLang's uvicorn's; aiohttp's own is 128)")
     a = p.parse_args(argv)
+    try:
+        key = wire.load_key(a.signature_key_file, "--signature-key-file")
+    except ValueError as e:
+        p.error(str(e))
     w = StubWorker(a.role, name=a.name, latency=a.latency, fail_rate=a.fail_rate,
                    fail_status=a.fail_status, fail_first=a.fail_first,
                    fail_body=a.fail_body, crash_on=a.crash_on,
                    crash_mode=a.crash_mode, health_status=a.health_status, hang=a.hang, send_signature=not a.no_signature,
-                   signature_url=a.signature_url, signature_delay=a.signature_delay,
+                   signature_url=a.signature_url, signature_delay=a.signature_delay, signature_key=key,
                    packed_counts=not a.list_counts,
                    layers=[int(x) for x in a.layers.split(",")], num_experts=a.num_experts,
                    stream_chunks=a.stream_chunks, stream_delay=a.stream_delay,
