@@ -96,3 +96,25 @@ def test_docs_list_every_kubernetes_key_as_generated():
     table = kubernetes_keys_table()
     assert all(f"| `{f.name}` |" in table for f in fields(Kubernetes))
     assert SIGNATURE_KEY_PATH in table and f"`{SIGNATURE_KEY_ITEM}`" in table  # the help names the real path
+
+
+def test_the_generated_key_flags_parse_with_the_engine_and_router_parsers(tmp_path):
+    """The flags the pods run are the ones the engine plugin and the router take, and both
+    read the key from the mounted file (here a local stand-in at the same place in argv)."""
+    from eldr_sglang.patches.flags import parse_eldr_flags, split_argv
+    from eldr_sglang.router.cli import parse_args
+
+    files = generate(tmp_path, [str(description(tmp_path, signature_key_secret="k"))], clusters=16)
+    key = tmp_path / "signature.key"
+    key.write_text("s3cret\n")
+    calibration = load_description(preset=PRESET)["calibration"]
+    local = {SIGNATURE_KEY_PATH: str(key), calibration: str(tmp_path / "artifact.json"), "$(POD_IP)": "127.0.0.1"}
+    for w in workloads(files):
+        (c,) = pod_spec(w)["containers"]
+        argv = [local.get(a, a) for a in c["command"]]
+        if w["kind"] == "Deployment":
+            assert argv[:3] == ["python", "-m", "eldr_sglang.router"]
+            assert parse_args(argv[3:]).router_config.signature_key() == b"s3cret"
+        else:
+            engine = parse_eldr_flags(split_argv(argv)[0])
+            assert engine.signature_key_file == str(key.resolve()), w["metadata"]["name"]
