@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eldr_sglang.core.counts_codec import unpack_counts
-from eldr_sglang.core.wire import META_KEY, RETURN_ADDRESS_KEY
+from eldr_sglang.core.wire import META_KEY, RETURN_ADDRESS_KEY, split_line
 
 TEXT = ("Quarterly results: revenue grew in the cloud segment while hardware sales declined; "
         "the board approved a dividend and a share buyback programme for the coming year.")
@@ -142,7 +142,7 @@ class PrefillServer:
     def _read(self, conn: socket.socket) -> None:
         for line in conn.makefile("rb"):
             if line.strip():
-                msg = json.loads(line)
+                msg = json.loads(split_line(line)[1])  # a signing engine's MAC is not checked here
                 with self.cond:
                     self.messages[msg.get("bootstrap_room")] = msg
                     self.cond.notify_all()

@@ -55,3 +55,19 @@ def test_router_imports_nothing_from_the_engine_plugin():
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             offenders += [f"{path.name}: {n}" for n in names if n.startswith("eldr_sglang.patches")]
     assert not offenders, offenders
+
+
+def test_selfcheck_reads_lines_of_a_signing_engine():
+    """eldr-selfcheck stands in for a router: a signed line is read like an unsigned one."""
+    import socket
+
+    from eldr_sglang.selfcheck import PrefillServer
+
+    server = PrefillServer("http://127.0.0.1:1", 8998, timeout=5, api_key=None)
+    msgs = [wire.build_message(room, f"r{room}", 3, 0, [1], [[3, 0]], packed=True) for room in (7, 8)]
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(wire.stream_lines(msgs[:1], b"key") + wire.stream_lines(msgs[1:]))
+        with server.cond:
+            assert server.cond.wait_for(lambda: len(server.messages) == 2, timeout=30)
+    assert server.messages[7]["rid"] == "r7" and server.messages[8]["layers"] == [1]
+    server.close()
