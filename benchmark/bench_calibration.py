@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from common import Stopwatch, parse_with_quick
 from eldr_sglang.core import (
     BalancedKMeans,
     SignatureBuilder,
@@ -27,10 +28,10 @@ from eldr_sglang.core import (
 
 @contextmanager
 def timed(label: str, results: dict):
-    start, cpu = time.perf_counter(), time.process_time()
-    yield
-    results[label] = time.perf_counter() - start
-    print(f"{label:<52s} {results[label]:7.2f} s wall {time.process_time() - cpu:7.2f} s cpu", flush=True)
+    with Stopwatch() as t:
+        yield
+    results[label] = t.seconds
+    print(f"{label:<52s} {t.seconds:7.2f} s wall {t.cpu_seconds:7.2f} s cpu", flush=True)
 
 
 def peak_rss_mib() -> float:
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--n-init", type=int, default=1)
     ap.add_argument("--max-iter", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    args = parse_with_quick(ap, argv, requests=600, layers=8, experts=32, top_k=4, informative=2, clusters=4,
+                            pairs=500)
     r: dict = {}
     print(f"synthetic {args.requests} requests x {args.layers} layers x {args.experts} experts, K={args.clusters}")
     with timed("generate synthetic traces (not calibration)", r):

@@ -30,7 +30,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from common import command_line, fmt_mean_sd, write_record
+from common import command_line, fmt_mean_sd, parse_with_quick, quick_out, write_record
 from eldr_sglang.sim import experiments
 from eldr_sglang.core.policies import make_policy
 from eldr_sglang.sim.cost_model import fit_moe_layer_fixed, fit_to_microbench, get_params, layer_ratio
@@ -59,14 +59,17 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--rate", type=float, default=80.0)
     ap.add_argument("--measure-s", type=float, default=30.0)
-    args = ap.parse_args(argv)
-    work = HERE.parent / ".cache" / "bench-cost-sensitivity"
-    data = experiments.load_workload("task", HERE / "traces", work, experiments.FULL, 600.0, 300.0)
+    ap.add_argument("--out-dir", type=Path, default=HERE / "results", help="where the JSON and markdown go")
+    args = parse_with_quick(ap, argv, seeds=1, measure_s=2.0, out_dir=quick_out("cost_sensitivity"))
+    sweep = experiments.QUICK if args.quick else experiments.FULL
+    work = HERE.parent / ".cache" / "bench-cost-sensitivity" / sweep.name
+    data = experiments.load_workload("task", HERE / "traces", work, sweep, 600.0, 300.0)
     sets = param_sets()
     rows = []
     for seed in range(args.seeds):
-        routing = experiments.prepare_routing(data, 16, work, experiments.FULL, seed=seed)
-        cfg = SimConfig(num_prefill=8, num_decode=16, rate=args.rate, warmup_s=10.0, measure_s=args.measure_s,
+        routing = experiments.prepare_routing(data, 16, work, sweep, seed=seed)
+        cfg = SimConfig(num_prefill=8, num_decode=16, rate=args.rate, warmup_s=2.0 if args.quick else 10.0,
+                        measure_s=args.measure_s,
                         seed=seed)
         for label, params in sets.items():
             res = {}
@@ -80,9 +83,9 @@ def main(argv=None) -> int:
         print(f"seed {seed} done", flush=True)
     out = {"simulated": True, "rate": args.rate,
            "command": command_line(__file__, argv), "rows": rows}
-    write_record(HERE / "results" / "cost_sensitivity.json", out)
+    write_record(args.out_dir / "cost_sensitivity.json", out)
     md = render(rows, out["command"], args.seeds, args.rate)
-    (HERE / "results" / "cost_sensitivity.md").write_text(md)
+    (args.out_dir / "cost_sensitivity.md").write_text(md)
     print(md)
     return 0
 

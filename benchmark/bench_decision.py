@@ -20,7 +20,7 @@ import time
 import numpy as np
 import orjson
 
-from common import write_record
+from common import parse_with_quick, write_record
 from eldr_sglang.core.artifact import CalibrationArtifact
 from eldr_sglang.core.policies import RouteRequest
 from eldr_sglang.core.traces import ModelSpec
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", default="eldr_balanced",
                     help="any policy; those that price live batches see each server running 32 requests")
     ap.add_argument("--json", help="also write the figures here")
-    args = ap.parse_args(argv)
+    args = parse_with_quick(ap, argv, servers=4, layers=4, experts=16, iters=200)
     rng = np.random.default_rng(0)
     layers = list(range(args.layers))
     idf = rng.uniform(0.2, 3.0, (args.layers, args.experts)).astype(np.float32)

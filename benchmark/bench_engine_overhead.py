@@ -25,15 +25,14 @@ from pathlib import Path
 
 import torch
 
+from common import parse_with_quick, seconds_per_call
 from eldr_sglang.radix_signature import ExpertSlotTable
 
 
 def timeit(fn, repeat: int = 50) -> float:
+    """Seconds per call after one warm-up call."""
     fn()
-    t0 = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    return (time.perf_counter() - t0) / repeat
+    return seconds_per_call(fn, repeat)
 
 
 def micro(tokens: int, layers: int, n_sel: int, experts: int, top_k: int) -> None:
@@ -165,9 +164,14 @@ def main() -> None:
     p.add_argument("--memory", action="store_true", help="only the memory per preset")
     p.add_argument("--model", default=".cache/models/tiny-qwen3-moe")
     p.add_argument("--prompts", type=int, default=30)
-    args = p.parse_args()
+    args = parse_with_quick(p, None)
     torch.set_num_threads(1)
     if args.memory:
+        memory()
+        return
+    if args.quick:  # one small case of each kind, no servers
+        forward_overhead("decode", 16, layers=4, experts=32, top_k=4, repeat=3)
+        micro(128, 4, 2, 32, 4)
         memory()
         return
     for phase, rows in (("extend", 2048), ("extend", 8192), ("decode", 64), ("decode", 256)):

@@ -21,7 +21,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from common import command_line, fmt_mean_sd, write_record
+from common import command_line, fmt_mean_sd, parse_with_quick, quick_out, write_record
 from eldr_sglang.sim import experiments
 from eldr_sglang.core.policies import make_policy
 from eldr_sglang.sim.simulator import SimConfig, simulate
@@ -37,16 +37,20 @@ def main(argv=None) -> int:
     ap.add_argument("--waits", default="0.002,0.02,0.1", help="signature waits (s) for late binding")
     ap.add_argument("--rates", default="40,80")
     ap.add_argument("--measure-s", type=float, default=30.0)
-    args = ap.parse_args(argv)
+    ap.add_argument("--out-dir", type=Path, default=HERE / "results", help="where the JSON and markdown go")
+    args = parse_with_quick(ap, argv, seeds=1, waits="0.02", rates="40", measure_s=2.0,
+                            out_dir=quick_out("late_binding"))
     waits = [float(w) for w in args.waits.split(",")]
     rates = [float(r) for r in args.rates.split(",")]
-    work = HERE.parent / ".cache" / "bench-late-binding"
-    data = experiments.load_workload("task", HERE / "traces", work, experiments.FULL, 600.0, 300.0)
+    sweep = experiments.QUICK if args.quick else experiments.FULL
+    work = HERE.parent / ".cache" / "bench-late-binding" / sweep.name
+    data = experiments.load_workload("task", HERE / "traces", work, sweep, 600.0, 300.0)
     rows = []
     for seed in range(args.seeds):
-        routing = experiments.prepare_routing(data, 16, work, experiments.FULL, seed=seed)
+        routing = experiments.prepare_routing(data, 16, work, sweep, seed=seed)
         for rate in rates:
-            base = SimConfig(num_prefill=8, num_decode=16, rate=rate, warmup_s=10.0, measure_s=args.measure_s,
+            base = SimConfig(num_prefill=8, num_decode=16, rate=rate, warmup_s=2.0 if args.quick else 10.0,
+                             measure_s=args.measure_s,
                              seed=seed)
             runs = [("jsq", "early", 0.0), ("round_robin", "early", 0.0)] + [("eldr", "late", w) for w in waits]
             for policy, binding, wait in runs:
@@ -57,9 +61,9 @@ def main(argv=None) -> int:
                              **{m: res.summary[m] for m in METRICS}})
         print(f"seed {seed} done", flush=True)
     out = {"simulated": True, "command": command_line(__file__, argv), "rows": rows}
-    write_record(HERE / "results" / "late_binding.json", out)
+    write_record(args.out_dir / "late_binding.json", out)
     md = render(rows, out["command"], args.seeds)
-    (HERE / "results" / "late_binding.md").write_text(md)
+    (args.out_dir / "late_binding.md").write_text(md)
     print(md)
     return 0
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import command_line, fmt_mean_sd, write_record
+from common import command_line, fmt_mean_sd, parse_with_quick, quick_out, write_record
 from eldr_sglang.sim import experiments
 from eldr_sglang.core.policies import make_policy
 from eldr_sglang.core.step_sets import independent_distinct, load_step_experts, true_distinct
@@ -95,7 +95,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rates", default="60,120,240", help="req/s for the simulated comparison")
     ap.add_argument("--measure-s", type=float, default=40.0)
     ap.add_argument("--json", type=Path, default=HERE / "results" / "long_decodes.json")
-    args = ap.parse_args(argv)
+    args = parse_with_quick(ap, argv, traces=HERE / "traces-12l", workloads="task", seeds=1, batches=20, rates="60",
+                            measure_s=2.0,
+                            json=quick_out("long_decodes") / "long_decodes.json")
     work = HERE.parent / ".cache" / "bench-long-decodes"
     result = {"command": command_line(__file__, argv),
               "simulated_part": "section 2 is SIMULATED (cost model qwen3-30b-a3b-mi300x); section 1 is measured "

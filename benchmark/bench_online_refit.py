@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from common import write_record
+from common import parse_with_quick, write_record
 from eldr_sglang.core.online import run_fit
 from eldr_sglang.core.policies import RouteRequest
 from eldr_sglang.core.synthetic import make_synthetic_traces
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--signatures", type=int, default=20000)
     ap.add_argument("--servers", type=int, default=24)
     ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
+    args = parse_with_quick(ap, argv, signatures=400, servers=4)
     if args.signatures < args.servers or args.servers < 1:
         ap.error("--signatures must be >= --servers >= 1")
     out = {"signatures": args.signatures, "servers": args.servers,

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import write_record
+from common import parse_with_quick, quick_out, write_record
 from eldr_sglang import calibrate
 from eldr_sglang.core.artifact import load_artifact
 from eldr_sglang.core.synthetic import make_synthetic_traces
@@ -63,7 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--synthetic-layers", type=int, default=None, help="default: the cost model's MoE layers")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="bench_placement.json", help="output JSON")
-    return ap.parse_args(argv)
+    return parse_with_quick(ap, argv, synthetic_requests=450, synthetic_layers=8, batches=10, servers=4,
+                            json=quick_out("placement") / "bench_placement.json")
 
 
 def synthetic(args: argparse.Namespace, work: Path, num_layers: int) -> tuple[TraceSet, TraceSet, Path]:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import command_line, write_record
+from common import command_line, parse_with_quick, write_record
 from measured import real_cpu_table
 from eldr_sglang.core.policies import policy_spec
 from eldr_sglang.demo import DEFAULT_MODEL, DEFAULT_WORKLOAD, calibration_artifact, decode_counters
@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--out", type=Path, default=Path(".cache/bench-real"))
     p.add_argument("--json", type=Path, default=None, help="write the results here")
-    args = p.parse_args(argv)
+    args = parse_with_quick(p, argv)
     if not (args.model / "config.json").is_file():
         p.error(f"--model: no Hugging Face model at {args.model}")
     if not args.dataset.is_file():
@@ -175,6 +175,11 @@ def summarise(rows: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.quick:  # real SGLang servers: the smoke run checks the arguments and the plan only
+        paths = [f"eldr-router/{p}" for p in args.policies] + ([] if args.no_sglang_router else ["sglang-router"])
+        print(f"plan: 1 prefill + {args.decodes} decode SGLang CPU servers of {args.model}; {args.repeats} rounds "
+              f"of {', '.join(paths)}, {args.num_prompts} prompts from {args.dataset} at {args.request_rate:g} req/s")
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     logs = args.out / "logs"
     trace_dir = args.out / "decode-steps"

@@ -57,7 +57,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
-from common import free_port, write_record
+from common import free_port, parse_with_quick, quick_out, write_record
 from eldr_sglang.router.metrics import histogram_quantiles
 from eldr_sglang.testing.toy_artifact import save_toy_artifact
 
@@ -409,15 +409,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--throughput-prompts", type=int, default=2000)
     ap.add_argument("--throughput-concurrency", type=int, default=64)
     ap.add_argument("--latency-prompts", type=int, default=300)
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke run (< 2 min): 1 repeat, one small mode (C=4, N=40) per path; "
-                         "each bench_serving start costs ~14 s of imports")
     ap.add_argument("--paths", default=",".join(ALL_PATHS), help=f"comma list of {','.join(ALL_PATHS)}")
     ap.add_argument("--start-timeout", type=float, default=120.0)
     ap.add_argument("--run-timeout", type=float, default=300.0, help="longest one bench_serving run")
     ap.add_argument("--json", default=str(DEFAULT_JSON))
     ap.add_argument("--keep-logs", action="store_true", help="keep the process logs (path printed)")
-    return ap.parse_args(argv)
+    # --quick (< 2 min): 1 repeat, one small mode (C=4, N=40) per path; each bench_serving start
+    # costs ~14 s of imports
+    return parse_with_quick(ap, argv, json=str(quick_out("serving_routers") / "bench_serving_routers.json"))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

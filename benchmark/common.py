@@ -6,6 +6,7 @@ Scripts are run as ``python benchmark/<script>.py`` (this folder is then on
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -24,6 +25,8 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
+#: where ``--quick`` runs write (never over the committed results); tests point it at a temporary folder
+QUICK_OUT = Path(os.environ.get("ELDR_BENCH_QUICK_OUT", ROOT / ".cache" / "bench-quick"))
 
 
 # ------------------------------------------------------------------ statistics
@@ -50,6 +53,26 @@ def markdown_table(headers: Sequence[Any], rows: Iterable[Sequence[Any]]) -> str
             raise ValueError(f"markdown_table: row of {len(row)} cells under {len(headers)} headers: {row!r}")
         lines.append("| " + " | ".join(map(str, row)) + " |")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ --quick
+def parse_with_quick(ap: argparse.ArgumentParser, argv: Sequence[str] | None, **quick_defaults: Any) -> argparse.Namespace:
+    """``ap.parse_args(argv)`` with a ``--quick`` flag: a smoke run of seconds whose defaults are
+    ``quick_defaults`` (flags given explicitly still win); ``args.quick`` tells which."""
+    shown = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in quick_defaults.items()
+                      if not isinstance(v, (str, os.PathLike)) or "/" not in str(v))
+    ap.add_argument("--quick", action="store_true",
+                    help=f"smoke run of a few seconds ({shown}); outputs under {QUICK_OUT}")
+    args = ap.parse_args(argv)
+    if args.quick:
+        ap.set_defaults(**quick_defaults)
+        args = ap.parse_args(argv)
+    return args
+
+
+def quick_out(name: str) -> Path:
+    """The folder a ``--quick`` run of ``name`` writes to."""
+    return QUICK_OUT / name
 
 
 # ------------------------------------------------------------------ recording a run

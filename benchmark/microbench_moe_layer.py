@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Sequence
 
-from common import write_record
+from common import parse_with_quick, write_record
 
 
 def _int_list(text: str) -> list[int]:
@@ -199,7 +199,8 @@ def table(result: dict) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = build_parser()
-    args = ap.parse_args(argv)
+    args = parse_with_quick(ap, argv, hidden=64, ffn=32, experts=16, top_k=4, batches=[8], unique=[4, 8],
+                            repeats=2, warmup=1)
     for flag, value in (("--hidden", args.hidden), ("--ffn", args.ffn), ("--experts", args.experts),
                         ("--top-k", args.top_k), ("--repeats", args.repeats)):
         if value < 1:

@@ -1,7 +1,7 @@
 """Regenerate benchmark/RESULTS.md and its plots: SIMULATED paper-scale evaluation.
 
     python benchmark/report.py            # full configuration (8P16D, 20-100 req/s, 20 s + 60 s, goodput to 600 req/s)
-    python benchmark/report.py --quick    # tiny configuration (seconds; CI)
+    python benchmark/report.py --quick    # tiny configuration (seconds; outputs under .cache/bench-quick/report)
 
 Runs the MoE-layer microbenchmark (measured, on this machine's CPU), the sweeps of
 ``eldr_sglang/sim/experiments.py`` on the discrete-event simulator (simulated), and writes
@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from common import mean_sd, write_record
+from common import mean_sd, quick_out, write_record
 import measured
 from eldr_sglang.sim import experiments
 from eldr_sglang.sim.cost_model import (PAPER_EXPERT_RATIO, PARAM_SETS, get_params,
@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true", help="tiny configuration (seconds)")
     ap.add_argument("--traces-root", type=Path, default=HERE / "traces",
                     help="holds <workload>/{calib,eval}/ trace sets; synthetic traces when missing")
-    ap.add_argument("--out-dir", type=Path, default=HERE, help="RESULTS.md goes here, plots and JSON in results/")
+    ap.add_argument("--out-dir", type=Path, default=None,
+                    help="RESULTS.md goes here, plots and JSON in results/ (default: benchmark/; --quick: .cache/)")
     ap.add_argument("--work-dir", type=Path, default=None, help="artifacts and synthetic trace shards (default: temp)")
     ap.add_argument("--cost", default="qwen3-30b-a3b-mi300x", help=f"cost-model parameter set: {', '.join(PARAM_SETS)}")
     ap.add_argument("--mean-prompt-tokens", type=float, default=600.0,
@@ -79,6 +80,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         ap.error(f"--cost {args.cost!r} unknown; valid: {', '.join(PARAM_SETS)}")
     if args.mean_prompt_tokens < 0 or args.mean_output_tokens < 0:
         ap.error("--mean-prompt-tokens and --mean-output-tokens must be >= 0")
+    if args.out_dir is None:  # a --quick run never writes over the committed RESULTS.md
+        args.out_dir = quick_out("report") if args.quick else HERE
     if args.seeds is None:
         args.seeds = 1 if args.quick else 5
     if args.seeds < 1:

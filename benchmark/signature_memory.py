@@ -17,6 +17,9 @@ bytes per token; the other ranks hold none.
 
 from __future__ import annotations
 
+import argparse
+
+from common import parse_with_quick
 from eldr_sglang.radix_signature import ExpertSlotTable, kv_bytes_per_token
 
 MODELS = {  # name: (layers, kv_heads, head_dim, experts, top_k)
@@ -39,7 +42,9 @@ def per_gpu_kv_bytes(layers: int, kv_heads: int, head_dim: int, tp: int, attn_dp
     return kv_bytes_per_token(layers, heads, head_dim)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parse_with_quick(ap, argv)  # arithmetic only: the full table is already a smoke run
     print(f"{'model':26} {'selected layers':>16} {'B/token ids':>12} {'B/token KV':>11} {'fraction':>9}")
     for name, (layers, kv_heads, head_dim, experts, top_k) in MODELS.items():
         for n_sel in sorted({2, 4, 8, 12, layers}):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import write_record
+from common import parse_with_quick, write_record
 from eldr_sglang.testing import local_cluster as lc
 
 HERE = Path(__file__).resolve().parent
@@ -72,9 +72,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=500)
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--out", default=str(HERE / "results" / "warm_cold_precision.json"))
-    args = ap.parse_args(argv)
+    args = parse_with_quick(ap, argv)
     if args.prompts < 1 or args.tokens < 10:
         ap.error("--prompts must be >= 1 and --tokens >= 10")
+    if args.quick:  # real SGLang servers: the smoke run checks the arguments and the plan only
+        print(f"plan: {len(args.dtypes)} server(s) of {args.model} ({', '.join(args.dtypes)}), "
+              f"{args.prompts} prompts of {args.tokens} tokens, 3 requests each; would write {args.out}")
+        return 0
     from transformers import AutoTokenizer
 
     prompts = long_prompts(args.prompts, args.tokens, AutoTokenizer.from_pretrained(args.model))
