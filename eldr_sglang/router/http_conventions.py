@@ -64,7 +64,7 @@ def install(app: web.Application, config: Any, request_id_headers: str = "") -> 
                 response.headers["Access-Control-Allow-Origin"] = origin
                 response.headers["Access-Control-Expose-Headers"] = exposed
                 if origin != "*":
-                    response.headers["Vary"] = "Origin"
+                    response.headers.add("Vary", "Origin")  # beside any Vary of the handler's
 
         app.on_response_prepare.append(cors_headers)
     if getattr(config, "access_log", False):  # outermost: preflights are logged too
