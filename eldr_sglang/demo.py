@@ -155,8 +155,12 @@ def run_phase(cluster: lc.PDCluster, router: lc.ManagedProcess, policy: str, row
               decode_trace: Path) -> PhaseReport:
     before, steps_before = decode_counters(cluster), step_lines(decode_trace)
     results, wall = asyncio.run(replay(router.url, rows, args.max_new_tokens, args.concurrency, policy))
-    time.sleep(1.0)  # trace lines are written by a background thread
     after = decode_counters(cluster)
+    # the servers' trace thread writes a step line per decode step they counted: wait for them
+    steps = sum(after[u][1] - before[u][1] for u in after) + sum(map(len, steps_before.values()))
+    deadline = time.monotonic() + 30.0
+    while sum(map(len, step_lines(decode_trace).values())) < steps and time.monotonic() < deadline:
+        time.sleep(0.05)
     report = PhaseReport(policy, results, wall=wall)
     for f, lines in step_lines(decode_trace).items():
         for step in lines[len(steps_before.get(f, [])):]:

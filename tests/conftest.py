@@ -24,6 +24,12 @@ MODEL_DIR = Path(os.environ.get("ELDR_FIXTURE_MODEL", ROOT / ".cache" / "models"
 
 
 @pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    """``async def test_*`` functions (anyio's plugin, ``anyio_mode = "auto"``) run on asyncio only."""
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
 def fixture_model() -> Path:
     """The tiny random Qwen3-MoE (4 layers, 16 experts, top-4), built if missing."""
     if not (MODEL_DIR / "model.safetensors").exists():

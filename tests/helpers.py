@@ -1,15 +1,18 @@
 """Helpers shared by the test packages and ``tests/conftest.py``: the repository root,
-loading a benchmark/ or tools/ script (not a package) as a module, and the
-real-server session state (log folder, started processes, greedy generation,
-bench_serving)."""
+loading a benchmark/ or tools/ script (not a package) as a module, waiting for a
+condition (``until``, ``wait_until``), and the real-server session state (log
+folder, started processes, greedy generation, bench_serving)."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -34,6 +37,33 @@ def load_script(relative_path: str, name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+async def until(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 30.0,
+                what: str = "condition", step: float = 0.02) -> None:
+    """Wait until ``predicate()`` (plain or async) is true, polling every ``step`` s on the
+    running loop; ``AssertionError`` naming ``what`` after ``timeout`` s."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while True:
+        ok = predicate()
+        if asyncio.iscoroutine(ok):
+            ok = await ok
+        if ok:
+            return
+        if loop.time() > end:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        await asyncio.sleep(step)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "condition",
+               step: float = 0.01) -> None:
+    """:func:`until` for code outside an event loop (blocks this thread)."""
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(step)
 
 
 def progress(name: str, elapsed: float) -> None:

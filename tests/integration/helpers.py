@@ -5,24 +5,18 @@ calibration artifact file."""
 import asyncio
 import contextlib
 import json
-import socket
-import time
 from pathlib import Path
 
 import aiohttp
 import orjson
 
 from eldr_sglang.router.app import Router, start_router
+from eldr_sglang.testing.local_cluster import free_port
 from eldr_sglang.testing.stub_worker import StubWorker, ToyArtifact
 from eldr_sglang.testing.toy_artifact import save_toy_artifact
+from tests.helpers import until, wait_until  # noqa: F401 (the integration tests import them from here)
 
 BOOT_PORT = 8998
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.asynccontextmanager
@@ -63,22 +57,6 @@ async def post(http, url, body, **kw):
     async with http.post(url, data=orjson.dumps(body) if not isinstance(body, bytes) else body,
                          **kw) as r:
         return r.status, await r.read()
-
-
-async def until(predicate, timeout: float = 30.0, what: str = "condition") -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not predicate():
-        if loop.time() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
-def wait_until(pred, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def save_artifact(path, num_clusters, corrupt=False, layers=(0, 1)):

@@ -86,26 +86,24 @@ def test_time_sliced_ab_alternates_and_records_each_slice(tmp_path):
     assert r0["latency_p50_s"] > 0 and r0["end"] > r0["start"]
 
 
-def test_shadow_policy_logs_what_eldr_would_have_chosen():
-    async def main():
-        async with cluster(n_decode=4, policy="round_robin", artifact=ToyArtifact(num_clusters=4),
-                           shadow_policy="eldr", signature_port=0) as (router, url, prefill, decodes, http):
-            prefill.signature_url = None  # signatures go to each request's return address
-            for i in range(8):
-                status, _ = await post(http, f"{url}/generate", {"text": f"topic:{i % 4} item"})
-                assert status == 200
-            await until(lambda: router.metrics.value("shadow_decisions") == 8, what="shadow outcomes")
-            async with http.get(f"{url}/eldr/decisions?last=8") as r:
-                log = await r.json()
-            outcomes = [d["shadow"]["outcome"] for d in log]
-            assert set(outcomes) <= {"same", "different"}
-            # eldr sends topic t to server t: 4 topics, 4 shadow homes, round robin routed
-            assert all(d["policy"] == "round_robin" for d in log)
-            homes = {d["shadow"]["decode"] for d in log}
-            assert len(homes) == 4
-            same = router.metrics.value("shadow_decisions", outcome="same")
-            assert same == outcomes.count("same")
-    run(main())
+async def test_shadow_policy_logs_what_eldr_would_have_chosen():
+    async with cluster(n_decode=4, policy="round_robin", artifact=ToyArtifact(num_clusters=4),
+                       shadow_policy="eldr", signature_port=0) as (router, url, prefill, decodes, http):
+        prefill.signature_url = None  # signatures go to each request's return address
+        for i in range(8):
+            status, _ = await post(http, f"{url}/generate", {"text": f"topic:{i % 4} item"})
+            assert status == 200
+        await until(lambda: router.metrics.value("shadow_decisions") == 8, what="shadow outcomes")
+        async with http.get(f"{url}/eldr/decisions?last=8") as r:
+            log = await r.json()
+        outcomes = [d["shadow"]["outcome"] for d in log]
+        assert set(outcomes) <= {"same", "different"}
+        # eldr sends topic t to server t: 4 topics, 4 shadow homes, round robin routed
+        assert all(d["policy"] == "round_robin" for d in log)
+        homes = {d["shadow"]["decode"] for d in log}
+        assert len(homes) == 4
+        same = router.metrics.value("shadow_decisions", outcome="same")
+        assert same == outcomes.count("same")
 
 
 def _records(effect: float, n: int = 8, seed: int = 0) -> list[dict]:
@@ -158,19 +156,17 @@ def test_ab_flags_are_validated():
         RouterConfig(ab_slice=0)
 
 
-def test_membership_changes_reach_every_ab_arm_and_the_shadow():
-    async def main():
-        async with cluster(n_decode=3, artifact=ToyArtifact(num_clusters=3), ab_policies="round_robin,eldr",
-                           ab_slice=60, shadow_policy="eldr") as (router, url, prefill, decodes, http):
-            status, _ = await post(http, f"{url}/generate", {"text": "topic:0 x"})  # builds the shadow
-            await until(lambda: router.metrics.value("shadow_decisions") == 1, what="first shadow outcome")
-            status, _ = await post(http, f"{url}/eldr/servers", {"remove": [decodes[2].url]})
+async def test_membership_changes_reach_every_ab_arm_and_the_shadow():
+    async with cluster(n_decode=3, artifact=ToyArtifact(num_clusters=3), ab_policies="round_robin,eldr",
+                       ab_slice=60, shadow_policy="eldr") as (router, url, prefill, decodes, http):
+        status, _ = await post(http, f"{url}/generate", {"text": "topic:0 x"})  # builds the shadow
+        await until(lambda: router.metrics.value("shadow_decisions") == 1, what="first shadow outcome")
+        status, _ = await post(http, f"{url}/eldr/servers", {"remove": [decodes[2].url]})
+        assert status == 200
+        for arm in router.ab.routings:  # the idle arm follows the pool too
+            router.set_routing(arm)
+            status, _ = await post(http, f"{url}/generate", {"text": "topic:1 x"})
             assert status == 200
-            for arm in router.ab.routings:  # the idle arm follows the pool too
-                router.set_routing(arm)
-                status, _ = await post(http, f"{url}/generate", {"text": "topic:1 x"})
-                assert status == 200
-            await until(lambda: router.metrics.value("shadow_decisions") == 3, what="shadow outcomes")
-            assert router.metrics.value("errors", kind="policy") == 0
-            assert router.metrics.value("shadow_decisions", outcome="error") == 0
-    run(main())
+        await until(lambda: router.metrics.value("shadow_decisions") == 3, what="shadow outcomes")
+        assert router.metrics.value("errors", kind="policy") == 0
+        assert router.metrics.value("shadow_decisions", outcome="error") == 0

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.integration.helpers import cluster, free_port, run
+from tests.integration.helpers import cluster, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "monitoring" / "prometheus-alerts.yaml"
@@ -68,45 +68,43 @@ def alert_state(body: dict) -> str | None:
     return None
 
 
-def test_prometheus_scrapes_the_router_and_fires_an_alert(tmp_path):
-    async def main():
-        async with cluster(n_decode=2, policy="round_robin", health_interval=0.1, health_failures=1,
-                           health_timeout=0.5) as (router, url, prefill, decodes, http):
-            port = free_port()
-            config = write_config(tmp_path, int(url.rsplit(":", 1)[1]))
-            log = open(tmp_path / "prometheus.log", "wb")
-            proc = subprocess.Popen(
-                [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{port}"], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
-            api = f"http://127.0.0.1:{port}"
+async def test_prometheus_scrapes_the_router_and_fires_an_alert(tmp_path):
+    async with cluster(n_decode=2, policy="round_robin", health_interval=0.1, health_failures=1,
+                       health_timeout=0.5) as (router, url, prefill, decodes, http):
+        port = free_port()
+        config = write_config(tmp_path, int(url.rsplit(":", 1)[1]))
+        log = open(tmp_path / "prometheus.log", "wb")
+        proc = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+             f"--web.listen-address=127.0.0.1:{port}"], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+        api = f"http://127.0.0.1:{port}"
+        try:
+            await poll(http, f"{api}/api/v1/query?query=up", lambda b: any(
+                s["value"][1] == "1" for s in b["data"]["result"]), "the router scraped (up == 1)")
+            healthy = await poll(
+                http, f"{api}/api/v1/query?query=eldr_router_server_healthy",
+                lambda b: len(b["data"]["result"]) == 3, "the router's health gauges in Prometheus")
+            assert {s["metric"]["role"] for s in healthy["data"]["result"]} == {"prefill", "decode"}
+            assert {s["value"][1] for s in healthy["data"]["result"]} == {"1"}
+            rules = await poll(http, f"{api}/api/v1/rules", lambda b: alert_state(b) is not None,
+                               f"{ALERT} evaluated")
+            assert alert_state(rules) == "inactive"
+            for d in decodes:
+                d.health_status = 503
+            fired = await poll(http, f"{api}/api/v1/alerts", lambda b: any(
+                a["labels"]["alertname"] == ALERT and a["state"] == "firing" for a in b["data"]["alerts"]),
+                f"{ALERT} firing")
+            alert = next(a for a in fired["data"]["alerts"] if a["labels"]["alertname"] == ALERT)
+            assert alert["labels"]["severity"] == "critical"
+            assert alert["labels"]["instance"] == url.removeprefix("http://")
+            assert "no decode server can be picked" in alert["annotations"]["summary"]
+            assert not any(a["labels"]["alertname"] == "EldrAllPrefillServersUnhealthy"
+                           for a in fired["data"]["alerts"])
+        finally:
+            proc.terminate()
             try:
-                await poll(http, f"{api}/api/v1/query?query=up", lambda b: any(
-                    s["value"][1] == "1" for s in b["data"]["result"]), "the router scraped (up == 1)")
-                healthy = await poll(
-                    http, f"{api}/api/v1/query?query=eldr_router_server_healthy",
-                    lambda b: len(b["data"]["result"]) == 3, "the router's health gauges in Prometheus")
-                assert {s["metric"]["role"] for s in healthy["data"]["result"]} == {"prefill", "decode"}
-                assert {s["value"][1] for s in healthy["data"]["result"]} == {"1"}
-                rules = await poll(http, f"{api}/api/v1/rules", lambda b: alert_state(b) is not None,
-                                   f"{ALERT} evaluated")
-                assert alert_state(rules) == "inactive"
-                for d in decodes:
-                    d.health_status = 503
-                fired = await poll(http, f"{api}/api/v1/alerts", lambda b: any(
-                    a["labels"]["alertname"] == ALERT and a["state"] == "firing" for a in b["data"]["alerts"]),
-                    f"{ALERT} firing")
-                alert = next(a for a in fired["data"]["alerts"] if a["labels"]["alertname"] == ALERT)
-                assert alert["labels"]["severity"] == "critical"
-                assert alert["labels"]["instance"] == url.removeprefix("http://")
-                assert "no decode server can be picked" in alert["annotations"]["summary"]
-                assert not any(a["labels"]["alertname"] == "EldrAllPrefillServersUnhealthy"
-                               for a in fired["data"]["alerts"])
-            finally:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-                log.close()
-    run(main())
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log.close()

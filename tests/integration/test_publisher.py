@@ -91,46 +91,43 @@ def test_bad_publish_url_is_refused():
         SignaturePublisher("router:8000/eldr/signature")
 
 
-def test_tcp_stream_to_the_real_router_and_reconnect_after_it_closes():
+async def test_tcp_stream_to_the_real_router_and_reconnect_after_it_closes():
     """The router's own return address (no default address configured): its TCP
     signature stream receives the messages, and a dropped connection is reopened."""
     import asyncio
 
     from eldr_sglang.router.app import Router, start_router
 
-    async def main():
-        router = Router([("http://127.0.0.1:1", None)], ["http://127.0.0.1:2"], "round_robin",
-                        health_interval=0, signature_port=0)
-        runner, _ = await start_router(router)
-        pub = SignaturePublisher()  # no default: each message names the router
-        waits = {room: router.board.expect(room) for room in (11, 12, 13, 14)}
+    router = Router([("http://127.0.0.1:1", None)], ["http://127.0.0.1:2"], "round_robin",
+                    health_interval=0, signature_port=0)
+    runner, _ = await start_router(router)
+    pub = SignaturePublisher()  # no default: each message names the router
+    waits = {room: router.board.expect(room) for room in (11, 12, 13, 14)}
 
-        async def arrived(rooms) -> None:
-            await asyncio.wait_for(asyncio.gather(*(waits[r] for r in rooms)), 5)
+    async def arrived(rooms) -> None:
+        await asyncio.wait_for(asyncio.gather(*(waits[r] for r in rooms)), 5)
 
-        try:
-            for room in (11, 12, 13):
-                pub.submit(message(room), router.return_address)
-            await arrived([11, 12, 13])
-            assert parse_message(waits[12].result())["counts"].tolist() == [[12, 1, 0], [0, 2, 12]]
-            assert pub.connections == 1 and len(router.intake.streams) == 1
-            for w in list(router.intake.streams):  # the router drops the connection
-                w.close()
-            for _ in range(500):  # until the router has let go of it
-                if not router.intake.streams:
-                    break
-                await asyncio.sleep(0.01)
-            pub.submit(message(14), router.return_address)
-            await arrived([14])
-            for _ in range(500):  # the publisher thread counts a message after its send returns
-                if pub.sent == 4:
-                    break
-                await asyncio.sleep(0.01)
-            assert pub.connections == 2 and pub.dropped == 0 and pub.sent == 4
-        finally:
-            await runner.cleanup()
-
-    asyncio.run(main())
+    try:
+        for room in (11, 12, 13):
+            pub.submit(message(room), router.return_address)
+        await arrived([11, 12, 13])
+        assert parse_message(waits[12].result())["counts"].tolist() == [[12, 1, 0], [0, 2, 12]]
+        assert pub.connections == 1 and len(router.intake.streams) == 1
+        for w in list(router.intake.streams):  # the router drops the connection
+            w.close()
+        for _ in range(500):  # until the router has let go of it
+            if not router.intake.streams:
+                break
+            await asyncio.sleep(0.01)
+        pub.submit(message(14), router.return_address)
+        await arrived([14])
+        for _ in range(500):  # the publisher thread counts a message after its send returns
+            if pub.sent == 4:
+                break
+            await asyncio.sleep(0.01)
+        assert pub.connections == 2 and pub.dropped == 0 and pub.sent == 4
+    finally:
+        await runner.cleanup()
 
 
 @pytest.mark.parametrize("timeout", [0, -0.5])

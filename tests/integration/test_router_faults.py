@@ -17,7 +17,7 @@ import pytest
 from eldr_sglang.router import upstream
 from eldr_sglang.router.app import Router, start_router
 from eldr_sglang.testing.stub_worker import KvHandoff, StubWorker, ToyArtifact
-from tests.integration.helpers import BOOT_PORT, free_port, post, run
+from tests.integration.helpers import BOOT_PORT, free_port, post, until
 
 pytestmark = pytest.mark.timeout(60)
 # short bounds so faults end quickly, loose enough for a loaded 2-core machine
@@ -109,13 +109,6 @@ def failed_rids(worker: StubWorker) -> set[str]:
     return set(worker.failed)
 
 
-async def until(pred, timeout=10.0):
-    t0 = time.monotonic()
-    while not pred():
-        assert time.monotonic() - t0 < timeout, "condition not reached"
-        await asyncio.sleep(0.02)
-
-
 # ------------------------------------------------------------------ prefill faults
 @pytest.mark.parametrize("knobs, kv, decode_kw", [
     ({"fail_rate": 0.3}, False, {}),                                 # 5xx after its signature
@@ -125,255 +118,225 @@ async def until(pred, timeout=10.0):
     ({"fail_rate": 0.3, "fail_body": "detail"}, True, {}),           # SGLang's abort body, PD order
 ], ids=["after-signature", "before-signature", "during-decode", "after-decode",
         "detail-body-pd-order"])
-def test_failed_prefill_is_never_a_200(knobs, kv, decode_kw):
-    async def main():
-        async with fleet(prefill_kw={"seed": 3, **knobs}, kv=kv, decode_kw=decode_kw) as (
-                router, url, prefill, decodes, http):
-            out = await drive(router, url, http, n=40)
-            failed = failed_rids(prefill)
-            assert 4 <= len(failed) <= 30, failed  # the knob did fail some
-            for rid in failed:
-                assert out[rid][0] == "error", (rid, out[rid])
-            assert sum(v[0] == "ok" for v in out.values()) == 40 - len(failed)
-            if decode_kw:  # the decode was still running: aborted there
-                await until(lambda: sum(len(d.aborts) for d in decodes) >= len(failed))
-    run(main())
+async def test_failed_prefill_is_never_a_200(knobs, kv, decode_kw):
+    async with fleet(prefill_kw={"seed": 3, **knobs}, kv=kv, decode_kw=decode_kw) as (
+            router, url, prefill, decodes, http):
+        out = await drive(router, url, http, n=40)
+        failed = failed_rids(prefill)
+        assert 4 <= len(failed) <= 30, failed  # the knob did fail some
+        for rid in failed:
+            assert out[rid][0] == "error", (rid, out[rid])
+        assert sum(v[0] == "ok" for v in out.values()) == 40 - len(failed)
+        if decode_kw:  # the decode was still running: aborted there
+            await until(lambda: sum(len(d.aborts) for d in decodes) >= len(failed))
 
 
-def test_prefill_disconnects_and_frozen_prefill_end_in_clear_errors():
-    async def main():
-        async with fleet(prefill_kw={"crash_on": 6, "crash_mode": "drop"}) as (
-                router, url, prefill, decodes, http):
-            out = await drive(router, url, http, n=12)
-            assert sum(v[0] == "error" for v in out.values()) >= 6
-        async with fleet() as (router, url, prefill, decodes, http):
-            prefill.freeze()
-            out = await drive(router, url, http, n=6)
-            assert all(v[0] == "error" and v[1] in (502, 503, 504) for v in out.values()), out
-            assert max(v[2] for v in out.values()) < 20  # first-byte timeout 3 s, not 1800 s
-    run(main())
+async def test_prefill_disconnects_and_frozen_prefill_end_in_clear_errors():
+    async with fleet(prefill_kw={"crash_on": 6, "crash_mode": "drop"}) as (
+            router, url, prefill, decodes, http):
+        out = await drive(router, url, http, n=12)
+        assert sum(v[0] == "error" for v in out.values()) >= 6
+    async with fleet() as (router, url, prefill, decodes, http):
+        prefill.freeze()
+        out = await drive(router, url, http, n=6)
+        assert all(v[0] == "error" and v[1] in (502, 503, 504) for v in out.values()), out
+        assert max(v[2] for v in out.values()) < 20  # first-byte timeout 3 s, not 1800 s
 
 
 # ------------------------------------------------------------------ decode faults
-def test_frozen_decode_times_out_and_the_others_serve():
-    async def main():
-        async with fleet(policy="round_robin", kv=False) as (router, url, prefill, decodes, http):
-            decodes[1].freeze()
-            out = await drive(router, url, http, n=12)
-            bad = [rid for rid, v in out.items() if v[0] == "error"]
-            assert bad and all(out[rid][1] == 504 or out[rid][0] == "error" for rid in bad)
-            assert max(v[2] for v in out.values()) < 15
-            # health checks time out too: taken out, later requests avoid it
-            t0 = time.monotonic()
-            while router.pool.decodes[1].available():
-                assert time.monotonic() - t0 < 10
-                await asyncio.sleep(0.05)
-            out = await drive(router, url, http, n=6)
-            assert all(v[0] == "ok" for v in out.values()), out
-    run(main())
+async def test_frozen_decode_times_out_and_the_others_serve():
+    async with fleet(policy="round_robin", kv=False) as (router, url, prefill, decodes, http):
+        decodes[1].freeze()
+        out = await drive(router, url, http, n=12)
+        bad = [rid for rid, v in out.items() if v[0] == "error"]
+        assert bad and all(out[rid][1] == 504 or out[rid][0] == "error" for rid in bad)
+        assert max(v[2] for v in out.values()) < 15
+        # health checks time out too: taken out, later requests avoid it
+        t0 = time.monotonic()
+        while router.pool.decodes[1].available():
+            assert time.monotonic() - t0 < 10
+            await asyncio.sleep(0.05)
+        out = await drive(router, url, http, n=6)
+        assert all(v[0] == "ok" for v in out.values()), out
 
 
-def test_decode_killed_mid_load_and_all_decodes_down():
-    async def main():
-        async with fleet(decode_kw={"latency": 0.2}, kv=True) as (router, url, prefill, decodes, http):
-            decodes[1].crash_on, decodes[1].crash_mode = 3, "stop"
-            out = await drive(router, url, http, n=30)
-            assert sum(v[0] == "ok" for v in out.values()) >= 20
-        async with fleet(dead_decodes=(0, 1, 2)) as (router, url, prefill, decodes, http):
-            out = await drive(router, url, http, n=6)
-            assert all(v[1] == 503 for v in out.values()), out
-            assert max(v[2] for v in out.values()) < 10
-            await until(lambda: prefill.aborts)  # the prefill's held KV is released
-    run(main())
+async def test_decode_killed_mid_load_and_all_decodes_down():
+    async with fleet(decode_kw={"latency": 0.2}, kv=True) as (router, url, prefill, decodes, http):
+        decodes[1].crash_on, decodes[1].crash_mode = 3, "stop"
+        out = await drive(router, url, http, n=30)
+        assert sum(v[0] == "ok" for v in out.values()) >= 20
+    async with fleet(dead_decodes=(0, 1, 2)) as (router, url, prefill, decodes, http):
+        out = await drive(router, url, http, n=6)
+        assert all(v[1] == 503 for v in out.values()), out
+        assert max(v[2] for v in out.values()) < 10
+        await until(lambda: prefill.aborts)  # the prefill's held KV is released
 
 
-def test_slow_first_byte_within_bounds_succeeds():
-    async def main():
-        async with fleet(decode_kw={"latency": 0.5}, prefill_kw={"latency": 0.3}) as (
-                router, url, prefill, decodes, http):
-            out = await drive(router, url, http, n=12)
-            assert all(v[0] == "ok" for v in out.values()), out
-    run(main())
+async def test_slow_first_byte_within_bounds_succeeds():
+    async with fleet(decode_kw={"latency": 0.5}, prefill_kw={"latency": 0.3}) as (
+            router, url, prefill, decodes, http):
+        out = await drive(router, url, http, n=12)
+        assert all(v[0] == "ok" for v in out.values()), out
 
 
 # ------------------------------------------------------------------ signature faults
 @pytest.mark.parametrize("knobs", [{"send_signature": False}, {"signature_delay": 1.0}],
                          ids=["lost", "late"])
-def test_lost_and_late_signatures_fall_back_and_stay_bounded(knobs):
-    async def main():
-        async with fleet(prefill_kw=knobs, signature_timeout=0.2, signature_timeout_min=0.1) as (
-                router, url, prefill, decodes, http):
-            out = await drive(router, url, http, n=12)
-            assert all(v[0] == "ok" for v in out.values()), out
-            assert router.metrics.value("fallbacks", reason="timeout") == 12
-            if "signature_delay" in knobs:  # late messages are kept only for the TTL
-                t0 = time.monotonic()
-                while len(prefill.signatures) < 12:
-                    assert time.monotonic() - t0 < 10
-                    await asyncio.sleep(0.05)
-            router.board.clock = lambda: time.monotonic() + 3600
-            router.board.sweep()
-            assert not router.board.buffer and router.board.buffered_bytes == 0
-    run(main())
+async def test_lost_and_late_signatures_fall_back_and_stay_bounded(knobs):
+    async with fleet(prefill_kw=knobs, signature_timeout=0.2, signature_timeout_min=0.1) as (
+            router, url, prefill, decodes, http):
+        out = await drive(router, url, http, n=12)
+        assert all(v[0] == "ok" for v in out.values()), out
+        assert router.metrics.value("fallbacks", reason="timeout") == 12
+        if "signature_delay" in knobs:  # late messages are kept only for the TTL
+            t0 = time.monotonic()
+            while len(prefill.signatures) < 12:
+                assert time.monotonic() - t0 < 10
+                await asyncio.sleep(0.05)
+        router.board.clock = lambda: time.monotonic() + 3600
+        router.board.sweep()
+        assert not router.board.buffer and router.board.buffered_bytes == 0
 
 
 # ------------------------------------------------------------------ overload and input
-def test_overload_answers_429_with_retry_after_and_blames_nobody():
-    async def main():
-        async with fleet(decode_kw={"latency": 0.3}, max_inflight=4) as (router, url, prefill, decodes, http):
-            out = await drive(router, url, http, n=30)
-            codes = [v[1] for v in out.values()]
-            assert codes.count(429) >= 10 and codes.count(200) >= 4, codes
-            assert all(v[3].get("Retry-After") for v in out.values() if v[1] == 429)
-            assert router.metrics.value("overloaded") == codes.count(429)
-            assert all(w.breaker.state == "closed" for w in router.pool.all())
-            assert router.metrics.value("upstream_failures") == 0
-    run(main())
+async def test_overload_answers_429_with_retry_after_and_blames_nobody():
+    async with fleet(decode_kw={"latency": 0.3}, max_inflight=4) as (router, url, prefill, decodes, http):
+        out = await drive(router, url, http, n=30)
+        codes = [v[1] for v in out.values()]
+        assert codes.count(429) >= 10 and codes.count(200) >= 4, codes
+        assert all(v[3].get("Retry-After") for v in out.values() if v[1] == 429)
+        assert router.metrics.value("overloaded") == codes.count(429)
+        assert all(w.breaker.state == "closed" for w in router.pool.all())
+        assert router.metrics.value("upstream_failures") == 0
 
 
-def test_router_out_of_file_descriptors_is_not_the_workers_fault():
-    async def main():
-        async with fleet() as (router, url, prefill, decodes, http):
-            real = router.upstream._connect
+async def test_router_out_of_file_descriptors_is_not_the_workers_fault():
+    async with fleet() as (router, url, prefill, decodes, http):
+        real = router.upstream._connect
 
-            async def emfile(*a, **kw):
-                raise upstream.LocalResourceError("router out of file descriptors (EMFILE)")
-            router.upstream._connect = emfile
-            out = await drive(router, url, http, n=6)
-            assert all(v[1] == 503 and v[3].get("Retry-After") for v in out.values()), out
-            assert all(w.breaker.state == "closed" and w.failures == 0 for w in router.pool.all())
-            router.upstream._connect = real
-            out = await drive(router, url, http, n=6)
-            assert all(v[0] == "ok" for v in out.values())
-    run(main())
+        async def emfile(*a, **kw):
+            raise upstream.LocalResourceError("router out of file descriptors (EMFILE)")
+        router.upstream._connect = emfile
+        out = await drive(router, url, http, n=6)
+        assert all(v[1] == 503 and v[3].get("Retry-After") for v in out.values()), out
+        assert all(w.breaker.state == "closed" and w.failures == 0 for w in router.pool.all())
+        router.upstream._connect = real
+        out = await drive(router, url, http, n=6)
+        assert all(v[0] == "ok" for v in out.values())
 
 
-def test_malformed_input_and_oversized_batches_are_4xx_json():
-    async def main():
-        async with fleet(max_batch=8) as (router, url, prefill, decodes, http):
-            cases = [b"{not json", b"[]", b'{"text": 5}', b'{"text": []}',
-                     b'{"input_ids": [[1], "x"]}', b'{"text": "a", "rid": 7}',
-                     orjson.dumps({"text": ["x"] * 9}), orjson.dumps({"input_ids": [[1]] * 20000})]
-            for body in cases:
-                st, raw = await post(http, f"{url}/generate", body)
-                assert 400 <= st < 500 and "error" in orjson.loads(raw), (body[:40], st, raw)
-            st, raw = await post(http, f"{url}/generate", {"text": ["x"] * 9})
-            assert st == 413 and "--max-batch" in orjson.loads(raw)["error"]
-            assert not prefill.requests  # nothing reached a worker
-            st, raw = await post(http, f"{url}/generate", {"text": ["topic:1"] * 8})
-            assert st == 200
-    run(main())
+async def test_malformed_input_and_oversized_batches_are_4xx_json():
+    async with fleet(max_batch=8) as (router, url, prefill, decodes, http):
+        cases = [b"{not json", b"[]", b'{"text": 5}', b'{"text": []}',
+                 b'{"input_ids": [[1], "x"]}', b'{"text": "a", "rid": 7}',
+                 orjson.dumps({"text": ["x"] * 9}), orjson.dumps({"input_ids": [[1]] * 20000})]
+        for body in cases:
+            st, raw = await post(http, f"{url}/generate", body)
+            assert 400 <= st < 500 and "error" in orjson.loads(raw), (body[:40], st, raw)
+        st, raw = await post(http, f"{url}/generate", {"text": ["x"] * 9})
+        assert st == 413 and "--max-batch" in orjson.loads(raw)["error"]
+        assert not prefill.requests  # nothing reached a worker
+        st, raw = await post(http, f"{url}/generate", {"text": ["topic:1"] * 8})
+        assert st == 200
 
 
 # ------------------------------------------------------------------ breaker
-def test_half_open_trial_ending_in_4xx_or_client_disconnect_unlocks_the_server():
-    async def main():
-        async with fleet(n_decode=2, decode_kw={"fail_first": 3}, breaker_threshold=3,
-                         health_interval=0, health_cooldown=0.2) as (router, url, prefill, decodes, http):
-            d0 = router.pool.decodes[0]
-            for _ in range(3):
-                st, _ = await post(http, f"{url}/generate", {"text": "topic:0"})
-            assert d0.breaker.state == "open"
-            # trial 1 ends in a client disconnect: the server is not locked out
-            await until(d0.breaker.allows)
-            decodes[0].hang = True
-            with pytest.raises(asyncio.TimeoutError):
-                await post(http, f"{url}/generate", {"text": "topic:0"},
-                           timeout=aiohttp.ClientTimeout(total=0.3))
-            await settled(router)
-            assert d0.breaker.allows(), d0.breaker.describe()
-            # trial 2 ends in a 4xx (the server answered): the breaker closes
-            decodes[0].hang = False
-            decodes[0].fail_first, decodes[0].fail_status = 10**6, 400
-            st, raw = await post(http, f"{url}/generate", {"text": "topic:0"})
-            assert st == 400 and d0.breaker.state == "closed"
-    run(main())
+async def test_half_open_trial_ending_in_4xx_or_client_disconnect_unlocks_the_server():
+    async with fleet(n_decode=2, decode_kw={"fail_first": 3}, breaker_threshold=3,
+                     health_interval=0, health_cooldown=0.2) as (router, url, prefill, decodes, http):
+        d0 = router.pool.decodes[0]
+        for _ in range(3):
+            st, _ = await post(http, f"{url}/generate", {"text": "topic:0"})
+        assert d0.breaker.state == "open"
+        # trial 1 ends in a client disconnect: the server is not locked out
+        await until(d0.breaker.allows)
+        decodes[0].hang = True
+        with pytest.raises(asyncio.TimeoutError):
+            await post(http, f"{url}/generate", {"text": "topic:0"},
+                       timeout=aiohttp.ClientTimeout(total=0.3))
+        await settled(router)
+        assert d0.breaker.allows(), d0.breaker.describe()
+        # trial 2 ends in a 4xx (the server answered): the breaker closes
+        decodes[0].hang = False
+        decodes[0].fail_first, decodes[0].fail_status = 10**6, 400
+        st, raw = await post(http, f"{url}/generate", {"text": "topic:0"})
+        assert st == 400 and d0.breaker.state == "closed"
 
 
 # ------------------------------------------------------------------ bounded memory
-def test_signature_intake_is_bounded_by_bytes_and_shape():
-    async def main():
-        async with fleet(signature_buffer_mb=0.02, signature_max_kb=64) as (
-                router, url, prefill, decodes, http):
-            port = router.intake.port
-            _, w = await asyncio.open_connection("127.0.0.1", port)
-            big = {"bootstrap_room": 1, "layers": [0, 1], "counts": [[1] * 8] * 2, "pad": "x" * 200_000}
-            w.write(orjson.dumps(big) + b"\n")  # over the line limit: refused, stream closed
-            _, w = await asyncio.open_connection("127.0.0.1", port)
-            wrong = {"bootstrap_room": 2, "layers": [0, 1], "counts": [[1] * 4000] * 2}
-            w.write(orjson.dumps(wrong) + b"\n")  # not the artifact's layers x experts
-            for room in range(100, 400):  # valid messages for rooms nobody waits for
-                w.write(orjson.dumps({"bootstrap_room": room, "layers": [0, 1],
-                                      "counts": [[1] * 8] * 2}) + b"\n")
-            await w.drain()
-            t0 = time.monotonic()
-            while router.metrics.value("signature_messages", outcome="unclaimed") < 300:
-                assert time.monotonic() - t0 < 10
-                await asyncio.sleep(0.02)
-            assert router.metrics.value("errors", kind="signature_too_large") == 1
-            assert router.metrics.value("errors", kind="signature_bad_counts") == 1
-            assert router.board.buffered_bytes <= 0.02 * (1 << 20)
-            assert len(router.board.buffer) < 300
-            w.close()
-    run(main())
+async def test_signature_intake_is_bounded_by_bytes_and_shape():
+    async with fleet(signature_buffer_mb=0.02, signature_max_kb=64) as (
+            router, url, prefill, decodes, http):
+        port = router.intake.port
+        _, w = await asyncio.open_connection("127.0.0.1", port)
+        big = {"bootstrap_room": 1, "layers": [0, 1], "counts": [[1] * 8] * 2, "pad": "x" * 200_000}
+        w.write(orjson.dumps(big) + b"\n")  # over the line limit: refused, stream closed
+        _, w = await asyncio.open_connection("127.0.0.1", port)
+        wrong = {"bootstrap_room": 2, "layers": [0, 1], "counts": [[1] * 4000] * 2}
+        w.write(orjson.dumps(wrong) + b"\n")  # not the artifact's layers x experts
+        for room in range(100, 400):  # valid messages for rooms nobody waits for
+            w.write(orjson.dumps({"bootstrap_room": room, "layers": [0, 1],
+                                  "counts": [[1] * 8] * 2}) + b"\n")
+        await w.drain()
+        t0 = time.monotonic()
+        while router.metrics.value("signature_messages", outcome="unclaimed") < 300:
+            assert time.monotonic() - t0 < 10
+            await asyncio.sleep(0.02)
+        assert router.metrics.value("errors", kind="signature_too_large") == 1
+        assert router.metrics.value("errors", kind="signature_bad_counts") == 1
+        assert router.board.buffered_bytes <= 0.02 * (1 << 20)
+        assert len(router.board.buffer) < 300
+        w.close()
 
 
-def test_decision_log_is_bounded_and_admin_only():
-    async def main():
-        async with fleet(decisions_kept=5, admin_token="s3cret") as (router, url, prefill, decodes, http):
-            await drive(router, url, http, n=12)
-            assert len(router.decisions) == 5
-            for path, method in (("/eldr/decisions", "GET"), ("/flush_cache", "POST")):
-                async with http.request(method, url + path) as r:
-                    assert r.status == 403 and "error" in await r.json()
-            auth = {"Authorization": "Bearer s3cret"}
-            async with http.get(url + "/eldr/decisions?last=100000", headers=auth) as r:
-                got = await r.json()
-            assert r.status == 200 and len(got) == 5
-            assert len(got[-1]["messages"][0]["counts"]) == 2  # the counts, rendered as rows
-            async with http.get(url + "/eldr/decisions?last=-1", headers=auth) as r:
-                assert r.status == 400
-    run(main())
+async def test_decision_log_is_bounded_and_admin_only():
+    async with fleet(decisions_kept=5, admin_token="s3cret") as (router, url, prefill, decodes, http):
+        await drive(router, url, http, n=12)
+        assert len(router.decisions) == 5
+        for path, method in (("/eldr/decisions", "GET"), ("/flush_cache", "POST")):
+            async with http.request(method, url + path) as r:
+                assert r.status == 403 and "error" in await r.json()
+        auth = {"Authorization": "Bearer s3cret"}
+        async with http.get(url + "/eldr/decisions?last=100000", headers=auth) as r:
+            got = await r.json()
+        assert r.status == 200 and len(got) == 5
+        assert len(got[-1]["messages"][0]["counts"]) == 2  # the counts, rendered as rows
+        async with http.get(url + "/eldr/decisions?last=-1", headers=auth) as r:
+            assert r.status == 400
 
 
-def test_idle_worker_connections_are_closed_by_the_timer():
-    async def main():
-        async with fleet() as (router, url, prefill, decodes, http):
-            await drive(router, url, http, n=24)
-            assert router.upstream.open_connections > 0
-            t0 = time.monotonic()
-            while router.upstream.open_connections:
-                assert time.monotonic() - t0 < 20, router.upstream.open_connections
-                await asyncio.sleep(0.1)
-    run(main())
+async def test_idle_worker_connections_are_closed_by_the_timer():
+    async with fleet() as (router, url, prefill, decodes, http):
+        await drive(router, url, http, n=24)
+        assert router.upstream.open_connections > 0
+        t0 = time.monotonic()
+        while router.upstream.open_connections:
+            assert time.monotonic() - t0 < 20, router.upstream.open_connections
+            await asyncio.sleep(0.1)
 
 
 # ------------------------------------------------------------------ configuration
-def test_worker_urls_are_validated_on_the_admin_api():
-    async def main():
-        async with fleet() as (router, url, prefill, decodes, http):
-            for bad in ("ftp://x", "http://", "http://h:99999", "http://h:1/path", "x"):
-                st, raw = await post(http, f"{url}/eldr/servers", {"add": [bad]})
-                assert st == 400 and "error" in orjson.loads(raw), bad
-            st, raw = await post(http, f"{url}/eldr/servers", {"add_prefill": ["http://h:1 notaport"]})
-            assert st == 400
-            assert len(router.pool.decodes) == 3 and len(router.pool.prefills) == 1
-            out = await drive(router, url, http, n=6)
-            assert all(v[0] == "ok" for v in out.values())
-    run(main())
+async def test_worker_urls_are_validated_on_the_admin_api():
+    async with fleet() as (router, url, prefill, decodes, http):
+        for bad in ("ftp://x", "http://", "http://h:99999", "http://h:1/path", "x"):
+            st, raw = await post(http, f"{url}/eldr/servers", {"add": [bad]})
+            assert st == 400 and "error" in orjson.loads(raw), bad
+        st, raw = await post(http, f"{url}/eldr/servers", {"add_prefill": ["http://h:1 notaport"]})
+        assert st == 400
+        assert len(router.pool.decodes) == 3 and len(router.pool.prefills) == 1
+        out = await drive(router, url, http, n=6)
+        assert all(v[0] == "ok" for v in out.values())
 
 
-def test_artifact_tau_zero_is_kept_and_strict_under_concurrent_load():
-    async def main():
-        art = ToyArtifact(num_clusters=3, tau=0.0)
-        async with fleet(artifact=art, decode_kw={"latency": 0.1}) as (router, url, prefill, decodes, http):
-            assert router.tau == 0.0
-            await drive(router, url, http, n=30, topic=1)
-            # strict affinity: every topic-1 request on server 1, however loaded
-            assert [len(d.requests) for d in decodes] == [0, 30, 0]
-        async with fleet(artifact=art, tau=1.0, decode_kw={"latency": 0.1}) as (
-                router, url, prefill, decodes, http):
-            assert router.tau == 1.0  # --tau overrides the artifact
-            await drive(router, url, http, n=30, topic=1)
-            assert all(len(d.requests) >= 5 for d in decodes)  # the band is every server
-    run(main())
+async def test_artifact_tau_zero_is_kept_and_strict_under_concurrent_load():
+    art = ToyArtifact(num_clusters=3, tau=0.0)
+    async with fleet(artifact=art, decode_kw={"latency": 0.1}) as (router, url, prefill, decodes, http):
+        assert router.tau == 0.0
+        await drive(router, url, http, n=30, topic=1)
+        # strict affinity: every topic-1 request on server 1, however loaded
+        assert [len(d.requests) for d in decodes] == [0, 30, 0]
+    async with fleet(artifact=art, tau=1.0, decode_kw={"latency": 0.1}) as (
+            router, url, prefill, decodes, http):
+        assert router.tau == 1.0  # --tau overrides the artifact
+        await drive(router, url, http, n=30, topic=1)
+        assert all(len(d.requests) >= 5 for d in decodes)  # the band is every server

@@ -96,48 +96,46 @@ def test_simulator_runs_it_and_it_groups_experts(tmp_path):
     assert res.summary["unique_experts_per_step"] < rr.summary["unique_experts_per_step"]
 
 
-def test_router_routes_by_live_batches_without_an_artifact():
+async def test_router_routes_by_live_batches_without_an_artifact():
     from eldr_sglang.router.app import Router, start_router
     from eldr_sglang.testing.stub_worker import StubWorker
-    from tests.integration.helpers import BOOT_PORT, post, run
+    from tests.integration.helpers import BOOT_PORT, post
 
-    async def main():
-        prefill = StubWorker("prefill", name="p0")
-        decodes = [StubWorker("decode", name=f"d{i}", hang=True) for i in range(3)]
-        purl = await prefill.start()
-        durls = [await d.start() for d in decodes]
-        router = Router([(purl, BOOT_PORT)], durls, "state_aware", signature_port=0,
-                        health_interval=0, load_interval=0)
-        runner, port = await start_router(router)
-        url = f"http://127.0.0.1:{port}"
-        import aiohttp
-        http = aiohttp.ClientSession()
-        try:
-            held = []
-            for topic in (0, 1, 2):  # idle servers: one each
-                held.append(asyncio.ensure_future(post(http, f"{url}/generate", {"text": f"topic:{topic} a b"})))
-                while sum(len(d.requests) for d in decodes) < len(held):
-                    await asyncio.sleep(0.01)
-            assert [len(d.requests) for d in decodes] == [1, 1, 1]
-            where = {d.requests[0]["text"].split()[0]: i for i, d in enumerate(decodes)}
-            held.append(asyncio.ensure_future(post(http, f"{url}/generate", {"text": "topic:1 c d"})))
-            while sum(len(d.requests) for d in decodes) < 4:
+    prefill = StubWorker("prefill", name="p0")
+    decodes = [StubWorker("decode", name=f"d{i}", hang=True) for i in range(3)]
+    purl = await prefill.start()
+    durls = [await d.start() for d in decodes]
+    router = Router([(purl, BOOT_PORT)], durls, "state_aware", signature_port=0,
+                    health_interval=0, load_interval=0)
+    runner, port = await start_router(router)
+    url = f"http://127.0.0.1:{port}"
+    import aiohttp
+    http = aiohttp.ClientSession()
+    try:
+        held = []
+        for topic in (0, 1, 2):  # idle servers: one each
+            held.append(asyncio.ensure_future(post(http, f"{url}/generate", {"text": f"topic:{topic} a b"})))
+            while sum(len(d.requests) for d in decodes) < len(held):
                 await asyncio.sleep(0.01)
-            assert len(decodes[where["topic:1"]].requests) == 2  # joined the batch using its experts
-            assert router.metrics.value("fallbacks") == 0
-            live = router.policy.describe()["live"]
-            assert sum(live) == 4 and live[where["topic:1"]] == 2
-            for d in decodes:
-                d.hang = False
-            for rid in [r["rid"] for d in decodes for r in d.requests]:
-                await http.post(f"{durls[0]}/abort_request", data=orjson.dumps({"rid": rid}))
-            for h in held:
-                h.cancel()
-            while sum(router.policy.describe()["live"]):
-                await asyncio.sleep(0.02)
-        finally:
-            await http.close()
-            await runner.cleanup()
-            for w in [prefill] + decodes:
-                await w.stop()
-    run(main())
+        assert [len(d.requests) for d in decodes] == [1, 1, 1]
+        where = {d.requests[0]["text"].split()[0]: i for i, d in enumerate(decodes)}
+        held.append(asyncio.ensure_future(post(http, f"{url}/generate", {"text": "topic:1 c d"})))
+        while sum(len(d.requests) for d in decodes) < 4:
+            await asyncio.sleep(0.01)
+        assert len(decodes[where["topic:1"]].requests) == 2  # joined the batch using its experts
+        assert router.metrics.value("fallbacks") == 0
+        live = router.policy.describe()["live"]
+        assert sum(live) == 4 and live[where["topic:1"]] == 2
+        for d in decodes:
+            d.hang = False
+        for rid in [r["rid"] for d in decodes for r in d.requests]:
+            await http.post(f"{durls[0]}/abort_request", data=orjson.dumps({"rid": rid}))
+        for h in held:
+            h.cancel()
+        while sum(router.policy.describe()["live"]):
+            await asyncio.sleep(0.02)
+    finally:
+        await http.close()
+        await runner.cleanup()
+        for w in [prefill] + decodes:
+            await w.stop()

@@ -1,0 +1,87 @@
+"""Every kept benchmark script runs its ``--quick`` smoke mode to the end (exit 0), writing only
+under ``ELDR_BENCH_QUICK_OUT`` (here a temporary folder), never over ``benchmark/results``.
+
+Scripts that need real SGLang servers answer ``--quick`` with their plan only (arguments
+checked, nothing started); ``bench_default_policy.py --quick`` and ``report.py --quick`` also
+run in tests/unit/test_sim_report.py with their outputs checked.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+
+BENCH = ROOT / "benchmark"
+PROMPT_TRACES = ROOT / ".cache" / "prompt-traces" / "task" / "calib" / "prompts.jsonl"
+
+# script -> extra arguments that keep the smoke run to seconds (after --quick, so they win)
+QUICK = {
+    "bench_calibration.py": [],
+    "bench_cost_sensitivity.py": [],
+    "bench_decision.py": [],
+    "bench_engine_overhead.py": [],
+    "bench_late_binding.py": [],
+    "bench_long_decodes.py": [],
+    "bench_online_refit.py": [],
+    "bench_placement.py": [],
+    "bench_real_cpu.py": [],
+    "microbench_moe_layer.py": [],
+    "signature_memory.py": [],
+    "warm_cold_precision.py": [],
+    "bench_state_aware.py": ["--workloads", "task", "--rates", "20", "--seeds", "1", "--warmup-s", "1",
+                             "--measure-s", "2"],
+    "report.py": ["--workloads", "task", "--skip-microbench"],
+}
+# smoke runs that start router, stub and bench_serving processes (minutes on 2 cores)
+PROCESSES = {"bench_burst.py": [], "bench_serving_routers.py": ["--paths", "eldr,direct"]}
+NEEDS_PROMPT_TRACES = {"bench_predicted_signatures.py": ["--workloads", "task", "--no-sim"]}
+COVERED_ELSEWHERE = {"bench_default_policy.py"}  # tests/unit/test_sim_report.py runs --quick
+
+
+def run_quick(script: str, extra: list[str], out: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ELDR_BENCH_QUICK_OUT": str(out)}
+    return subprocess.run([sys.executable, str(BENCH / script), "--quick", *extra], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def check(done: subprocess.CompletedProcess) -> None:
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+
+
+@pytest.mark.parametrize("script", sorted(QUICK))
+def test_quick_smoke_run(script, tmp_path):
+    check(run_quick(script, QUICK[script], tmp_path))
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("script", sorted(PROCESSES))
+def test_quick_smoke_run_with_processes(script, tmp_path):
+    check(run_quick(script, PROCESSES[script], tmp_path))
+
+
+@pytest.mark.skipif(not PROMPT_TRACES.is_file(), reason="needs traces recorded with prompts "
+                    "(tools/record_prompt_traces.py on a real SGLang server)")
+@pytest.mark.parametrize("script", sorted(NEEDS_PROMPT_TRACES))
+def test_quick_smoke_run_on_recorded_prompts(script, tmp_path):
+    check(run_quick(script, NEEDS_PROMPT_TRACES[script], tmp_path))
+
+
+def test_every_kept_benchmark_has_a_smoke_run():
+    """A new benchmark script joins one of the lists above (modules it imports are not scripts)."""
+    listed = set(QUICK) | set(PROCESSES) | set(NEEDS_PROMPT_TRACES) | COVERED_ELSEWHERE
+    scripts = {p.name for p in BENCH.glob("*.py") if 'if __name__ == "__main__":' in p.read_text()}
+    mine = scripts - {"bench_fat_expert.py", "bench_colocated_real.py", "bench_fat_expert_sim.py"}
+    assert sorted(mine - listed) == []
+
+
+def test_quick_runs_write_under_the_quick_folder(tmp_path):
+    """--quick of a script that writes by default lands under ELDR_BENCH_QUICK_OUT."""
+    check(run_quick("bench_late_binding.py", [], tmp_path))
+    assert (tmp_path / "late_binding" / "late_binding.json").is_file()
+    assert (tmp_path / "late_binding" / "late_binding.md").is_file()
