@@ -98,11 +98,8 @@ async def drive(router, url, http, n=24, bound=20.0, topic=None):
 
 async def settled(router, timeout=10.0):
     """Nothing left in flight in the router (waits on the condition)."""
-    t0 = time.monotonic()
-    while (router.dispatcher.active or router.board.waiters
-           or any(w.inflight for w in router.pool.all())):
-        assert time.monotonic() - t0 < timeout, "router still holds requests"
-        await asyncio.sleep(0.02)
+    await until(lambda: not (router.dispatcher.active or router.board.waiters
+                             or any(w.inflight for w in router.pool.all())), timeout, "the router to hold no request")
 
 
 def failed_rids(worker: StubWorker) -> set[str]:
@@ -152,10 +149,7 @@ async def test_frozen_decode_times_out_and_the_others_serve():
         assert bad and all(out[rid][1] == 504 or out[rid][0] == "error" for rid in bad)
         assert max(v[2] for v in out.values()) < 15
         # health checks time out too: taken out, later requests avoid it
-        t0 = time.monotonic()
-        while router.pool.decodes[1].available():
-            assert time.monotonic() - t0 < 10
-            await asyncio.sleep(0.05)
+        await until(lambda: not router.pool.decodes[1].available(), 10, "decode 1 taken out")
         out = await drive(router, url, http, n=6)
         assert all(v[0] == "ok" for v in out.values()), out
 
@@ -189,10 +183,7 @@ async def test_lost_and_late_signatures_fall_back_and_stay_bounded(knobs):
         assert all(v[0] == "ok" for v in out.values()), out
         assert router.metrics.value("fallbacks", reason="timeout") == 12
         if "signature_delay" in knobs:  # late messages are kept only for the TTL
-            t0 = time.monotonic()
-            while len(prefill.signatures) < 12:
-                assert time.monotonic() - t0 < 10
-                await asyncio.sleep(0.05)
+            await until(lambda: len(prefill.signatures) >= 12, 10, "the late signatures")
         router.board.clock = lambda: time.monotonic() + 3600
         router.board.sweep()
         assert not router.board.buffer and router.board.buffered_bytes == 0
@@ -278,10 +269,8 @@ async def test_signature_intake_is_bounded_by_bytes_and_shape():
             w.write(orjson.dumps({"bootstrap_room": room, "layers": [0, 1],
                                   "counts": [[1] * 8] * 2}) + b"\n")
         await w.drain()
-        t0 = time.monotonic()
-        while router.metrics.value("signature_messages", outcome="unclaimed") < 300:
-            assert time.monotonic() - t0 < 10
-            await asyncio.sleep(0.02)
+        await until(lambda: router.metrics.value("signature_messages", outcome="unclaimed") >= 300, 10,
+                    "300 unclaimed signature messages")
         assert router.metrics.value("errors", kind="signature_too_large") == 1
         assert router.metrics.value("errors", kind="signature_bad_counts") == 1
         assert router.board.buffered_bytes <= 0.02 * (1 << 20)
@@ -309,10 +298,7 @@ async def test_idle_worker_connections_are_closed_by_the_timer():
     async with fleet() as (router, url, prefill, decodes, http):
         await drive(router, url, http, n=24)
         assert router.upstream.open_connections > 0
-        t0 = time.monotonic()
-        while router.upstream.open_connections:
-            assert time.monotonic() - t0 < 20, router.upstream.open_connections
-            await asyncio.sleep(0.1)
+        await until(lambda: not router.upstream.open_connections, 20, "idle worker connections closed")
 
 
 # ------------------------------------------------------------------ configuration

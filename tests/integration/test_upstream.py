@@ -161,7 +161,7 @@ async def test_close_delimited_body_large_body_and_server_closed_idle_connection
     n = len(conns)
     for w in conns:  # the server closes its idle connections
         w.close()
-    await asyncio.sleep(0.1)
+    await until(lambda: client.idle_connections == 0, 10, "the client to see the server's closes")
     r = await client.post(f"{url}/ok", b"{}")
     assert await r.read() == b"ok" and len(conns) == n + 1  # a fresh one, no error
     r.release()
