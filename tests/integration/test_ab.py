@@ -12,7 +12,7 @@ from aiohttp import web
 from eldr_sglang import ab
 from eldr_sglang.router.ab import parse_prometheus
 from eldr_sglang.testing.stub_worker import ToyArtifact
-from tests.integration.helpers import cluster, post, run, until
+from tests.integration.helpers import cluster, post, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,30 +48,26 @@ def test_parse_prometheus_sums_labelled_samples():
     assert parse_prometheus(text, ("foo", "baz")) == {"foo": 3.5, "baz": 1000.0}
 
 
-def test_time_sliced_ab_alternates_and_records_each_slice(tmp_path):
+async def test_time_sliced_ab_alternates_and_records_each_slice(tmp_path):
     record = tmp_path / "ab.jsonl"
 
-    async def main():
-        engines = [EngineMetrics(40.0, 3.0), EngineMetrics(50.0, 5.0)]
-        urls = [await e.start() for e in engines]
-        try:
-            async with cluster(n_decode=2, artifact=ToyArtifact(num_clusters=2), ab_policies="eldr,round_robin",
-                               ab_slice=0.4, ab_record=str(record), engine_metrics=",".join(urls)) as (
-                    router, url, prefill, decodes, http):
-                sent = 0
-                while len(router.ab.written) < 4:
-                    status, _ = await post(http, f"{url}/generate", {"text": f"topic:{sent % 2} x"})
-                    assert status == 200
-                    sent += 1
-                    await asyncio.sleep(0.01)
-                status = router.status()["ab"]
-                assert status["arms"] == ["eldr", "round_robin"]
-        finally:
-            for e in engines:
-                await e.runner.cleanup()
-        return sent
-
-    sent = run(main())
+    engines = [EngineMetrics(40.0, 3.0), EngineMetrics(50.0, 5.0)]
+    urls = [await e.start() for e in engines]
+    try:
+        async with cluster(n_decode=2, artifact=ToyArtifact(num_clusters=2), ab_policies="eldr,round_robin",
+                           ab_slice=0.4, ab_record=str(record), engine_metrics=",".join(urls)) as (
+                router, url, prefill, decodes, http):
+            sent = 0
+            while len(router.ab.written) < 4:
+                status, _ = await post(http, f"{url}/generate", {"text": f"topic:{sent % 2} x"})
+                assert status == 200
+                sent += 1
+                await asyncio.sleep(0.01)
+            status = router.status()["ab"]
+            assert status["arms"] == ["eldr", "round_robin"]
+    finally:
+        for e in engines:
+            await e.runner.cleanup()
     recs = [json.loads(line) for line in record.read_text().splitlines()]
     assert [r["arm"] for r in recs[:4]] == ["eldr", "round_robin", "eldr", "round_robin"]
     assert [r["slice"] for r in recs[:4]] == [0, 1, 2, 3]

@@ -14,7 +14,7 @@ from eldr_sglang.core import wire
 from eldr_sglang.patches.publish import SignaturePublisher
 from eldr_sglang.patches.publish_allow import DestinationAllowList
 from eldr_sglang.testing.stub_worker import topic_counts
-from tests.integration.helpers import cluster, run, until, wait_until
+from tests.integration.helpers import cluster, until, wait_until
 from tests.integration.test_publisher import Receiver, message
 
 KEY = b"publisher-test-key"
@@ -120,22 +120,20 @@ def fitting(room: int) -> dict:
 
 
 @pytest.mark.parametrize("transport", ["http", "tcp"])
-def test_a_router_takes_the_publishers_signed_messages_and_refuses_another_key(tmp_path, transport):
+async def test_a_router_takes_the_publishers_signed_messages_and_refuses_another_key(tmp_path, transport):
     path = tmp_path / "key"
     path.write_bytes(KEY)
 
-    async def main():
-        async with cluster(signature_port=0, signature_key_file=str(path)) as (router, url, prefill, decodes, http):
-            dest = f"tcp://127.0.0.1:{router.intake.port}" if transport == "tcp" else f"{url}/eldr/signature"
-            good, bad = SignaturePublisher(dest, key=KEY), SignaturePublisher(dest, key=b"wrong")
-            for room in (11, 12):
-                good.submit(fitting(room))
-            await until(lambda: router.metrics.value("signature_messages", outcome="unclaimed") == 2,
-                        what="two signed messages taken")
-            bad.submit(fitting(13))
-            await until(lambda: router.metrics.value("signature_auth_refused", reason="bad_mac") == 1,
-                        what="the wrongly signed message refused")
-            assert 13 not in router.board.buffer and set(router.board.buffer) == {11, 12}
-            if transport == "http":
-                await until(lambda: bad.errors == 1, what="the publisher told of the 403")
-    run(main())
+    async with cluster(signature_port=0, signature_key_file=str(path)) as (router, url, prefill, decodes, http):
+        dest = f"tcp://127.0.0.1:{router.intake.port}" if transport == "tcp" else f"{url}/eldr/signature"
+        good, bad = SignaturePublisher(dest, key=KEY), SignaturePublisher(dest, key=b"wrong")
+        for room in (11, 12):
+            good.submit(fitting(room))
+        await until(lambda: router.metrics.value("signature_messages", outcome="unclaimed") == 2,
+                    what="two signed messages taken")
+        bad.submit(fitting(13))
+        await until(lambda: router.metrics.value("signature_auth_refused", reason="bad_mac") == 1,
+                    what="the wrongly signed message refused")
+        assert 13 not in router.board.buffer and set(router.board.buffer) == {11, 12}
+        if transport == "http":
+            await until(lambda: bad.errors == 1, what="the publisher told of the 403")

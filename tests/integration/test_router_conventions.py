@@ -14,7 +14,7 @@ import pytest
 from eldr_sglang.router import cli as router_cli
 from eldr_sglang.router.config import RouterConfig
 from eldr_sglang.router.http_conventions import ACCESS_LOGGER, cors_origins_of
-from tests.integration.helpers import cluster, post, run
+from tests.integration.helpers import cluster, post
 
 pytestmark = pytest.mark.timeout(60)
 APP = "https://app.example"
@@ -65,8 +65,8 @@ async def test_any_origin_with_a_star():
             assert "Vary" not in r.headers
 
 
-def test_access_log_has_one_line_per_request(caplog):
-    async def main():
+async def test_access_log_has_one_line_per_request(caplog):
+    with caplog.at_level(logging.INFO, logger=ACCESS_LOGGER):
         async with cluster(n_decode=2, policy="round_robin", access_log=True) as (
                 router, url, prefill, decodes, http):
             st, _ = await post(http, f"{url}/generate", {"text": "topic:0"}, headers={"X-Request-Id": "r-1"})
@@ -76,9 +76,6 @@ def test_access_log_has_one_line_per_request(caplog):
             body = {"text": "topic:1", "stream": True}
             async with http.post(f"{url}/generate", data=orjson.dumps(body)) as r:
                 streamed = len(await r.read())
-        return streamed
-    with caplog.at_level(logging.INFO, logger=ACCESS_LOGGER):
-        streamed = run(main())
     lines = [r for r in caplog.records if r.name == ACCESS_LOGGER and r.path == "/generate"]
     assert any(r.path == "/eldr/signature" for r in caplog.records if r.name == ACCESS_LOGGER)  # the stub's posts
     assert [(r.method, r.path, r.status) for r in lines] == [
@@ -88,12 +85,10 @@ def test_access_log_has_one_line_per_request(caplog):
     assert lines[0].remote == "127.0.0.1"
 
 
-def test_no_access_log_unless_asked(caplog):
-    async def main():
+async def test_no_access_log_unless_asked(caplog):
+    with caplog.at_level(logging.INFO, logger=ACCESS_LOGGER):
         async with cluster(n_decode=2, policy="round_robin") as (router, url, prefill, decodes, http):
             assert (await post(http, f"{url}/generate", {"text": "topic:0"}))[0] == 200
-    with caplog.at_level(logging.INFO, logger=ACCESS_LOGGER):
-        run(main())
     assert not [r for r in caplog.records if r.name == ACCESS_LOGGER]
 
 
@@ -134,13 +129,13 @@ def test_bad_flags_are_one_line(capsys, extra, wanted):
     assert e.value.code == 2 and wanted in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_the_colocated_router_has_them_too(caplog):
+async def test_the_colocated_router_has_them_too(caplog):
     from eldr_sglang.router.colocated import ColocatedRouter
     from eldr_sglang.router.serve import start_router
     from eldr_sglang.testing.stub_worker import StubWorker
     from tests.integration.test_colocated import make_artifact, topic_ids
 
-    async def main():
+    with caplog.at_level(logging.INFO, logger=ACCESS_LOGGER):
         import aiohttp
         workers = [StubWorker("decode", name=f"w{i}") for i in range(4)]
         urls = [await w.start() for w in workers]
@@ -158,7 +153,5 @@ def test_the_colocated_router_has_them_too(caplog):
             await runner.cleanup()
             for w in workers:
                 await w.stop()
-    with caplog.at_level(logging.INFO, logger=ACCESS_LOGGER):
-        run(main())
     assert [(r.method, r.status) for r in caplog.records if r.name == ACCESS_LOGGER] == [("OPTIONS", 204),
                                                                                          ("POST", 200)]
