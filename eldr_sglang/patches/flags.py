@@ -5,6 +5,11 @@ SGLang's ``ServerArgs`` cannot take new fields, so an AROUND hook on
 them, and hands them to the server's child processes (scheduler, detokenizer)
 as ``ELDR_*`` environment variables, which those processes inherit.
 A bad value stops the launcher with a message naming the flag.
+
+Every flag is an :class:`EngineConfig` field: its name, metavar, help, the docs'
+text and the function that reads its value live there, and the parser, the
+validation and the docs' table (``python -m eldr_sglang.flag_tables``) are built
+from them.
 """
 
 from __future__ import annotations
@@ -14,26 +19,157 @@ import json
 import logging
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import Field, asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any, Callable
 from urllib.parse import urlparse
 
 logger = logging.getLogger("eldr_sglang")
 ENV_KEY = "ELDR_ENGINE_CONFIG"
+SPREAD = "spread"  # --eldr-publish without layers: evenly spread layers (core.layer_selection)
+REQUEST_ONLY = "request"  # --eldr-publish request: only to the address each request carries
+
+
+class FlagError(ValueError):
+    """A bad ``--eldr-*`` value; the message names the flag."""
+
+
+# ------------------------------------------------------------ one flag's value (ValueError: why not)
+def _calibration(value: str) -> str:
+    if not Path(value).is_file():
+        raise ValueError(f"no such file: {value}")
+    from eldr_sglang.core.artifact import load_artifact
+
+    load_artifact(value)
+    return str(Path(value).resolve())
+
+
+def _layers(value: str) -> tuple[int, ...] | str:
+    if value.strip().lower() == "all":
+        return "all"
+    try:
+        layers = tuple(int(x) for x in value.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"expected 'all' or comma-separated layer ids, got {value!r}") from None
+    if not layers or min(layers) < 0 or len(set(layers)) != len(layers):
+        raise ValueError(f"layer ids must be distinct and >= 0, got {value!r}")
+    return layers
+
+
+def _url(value: str) -> str:
+    if value == REQUEST_ONLY:
+        return value
+    u = urlparse(value)
+    try:
+        port = u.port
+    except ValueError:
+        port = None
+    if u.scheme in ("http", "https") and u.netloc:
+        return value
+    if u.scheme == "tcp" and u.hostname and port:
+        return value
+    raise ValueError("expected http://router:8000/eldr/signature, tcp://router:PORT (the router's "
+                     "--signature-port) or 'request' (only the return address each routed request "
+                     f"carries), got {value!r}")
+
+
+def _port(value: str) -> int:
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        raise ValueError(f"expected a TCP port, got {value!r}")
+    return int(value)
+
+
+def _directory(value: str) -> str:
+    Path(value).mkdir(parents=True, exist_ok=True)
+    return str(Path(value).resolve())
+
+
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"expected seconds, got {value!r}") from None
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"expected a number of seconds > 0, got {value!r}")
+    return seconds
+
+
+def _allow_list(value: str) -> tuple[str, ...]:
+    from eldr_sglang.patches.publish_allow import parse_entries
+
+    return parse_entries(value)
+
+
+def _path(value: str) -> str:
+    return str(Path(value).resolve())
+
+
+def _flag(help: str, metavar: str, read: Callable[[str], Any], default: Any = None,
+          doc: str | None = None) -> Any:
+    """An ``--eldr-<field name>`` flag: ``help`` for ``--help``, ``doc`` (default:
+    ``help``) for the docs' table, ``read`` turns its text into the value."""
+    return field(default=default, metadata={"help": help, "metavar": metavar, "read": read,
+                                            "doc": doc or help})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """What the engine plugin does in this server (all off by default)."""
 
-    calibration: str | None = None  # artifact: which layers to capture
-    layers: tuple[int, ...] | str | None = None  # explicit layers, "all" (trace mode) or "spread"
-    publish: str | None = None  # router callback URL for signature messages
-    metrics_port: int | None = None  # Prometheus endpoint of the scheduler process
-    trace_dir: str | None = None  # per-request expert counts (trace mode)
-    publish_timeout: float = 2.0
-    signature_key_file: str | None = None  # key signing published messages (else env ELDR_SIGNATURE_KEY)
-    publish_allow: tuple[str, ...] | None = None  # CIDRs / host names a request may name as destination
+    calibration: str | None = _flag(
+        "calibration artifact: capture its selected layers", "PATH", _calibration,
+        doc="calibration artifact: the server captures its selected layers; refused at start-up if "
+            "corrupt or if its model (layers, experts, top-k) does not match the served model")
+    layers: tuple[int, ...] | str | None = _flag(
+        "capture these layers without an artifact (with --eldr-publish and no artifact: 4 evenly "
+        "spread layers)", "all|0,3,7", _layers,
+        doc="capture these layers without an artifact (exclusive with `--eldr-calibration`); with "
+            "`--eldr-publish` and neither: 4 evenly spread layers")
+    publish: str | None = _flag(
+        "PD prefill: send each request's signature to the address it carries, else here: "
+        "tcp://ROUTER:PORT, http://ROUTER:PORT/eldr/signature, or 'request'", "URL", _url,
+        doc="where each request's signature message goes after its prefill when the request carries "
+            "no return address of its own (ELDR routers always send one: "
+            "`custom_params.eldr_signature_to`): `tcp://router:PORT` (the router's `--signature-port`: "
+            "JSON lines on one kept-open connection, the fastest), `http://router:port/eldr/signature` "
+            "(a POST per batch, kept-alive connection), or `request` (no default: only the address "
+            "each request carries, for several router replicas). One kept-open connection per "
+            "destination (at most 32, least recently used closed first); a destination that failed "
+            "after `t` s is skipped for `20 t`")
+    metrics_port: int | None = _flag(
+        "Prometheus endpoint of the scheduler (distinct experts per decode step)", "PORT", _port,
+        doc="Prometheus endpoint of the scheduler process: `eldr_decode_steps_total`, "
+            "`eldr_decode_unique_experts_total`, `eldr_decode_unique_experts_per_step`, "
+            "`eldr_signatures_sent_total`, `eldr_signatures_dropped_total`, "
+            "`eldr_signatures_refused_destinations_total`")
+    trace_dir: str | None = _flag(
+        "trace mode: per-request expert counts as JSON lines", "DIR", _directory,
+        doc="trace mode: each request's prefill expert counts (all layers unless given) as JSON "
+            "lines in `DIR/prefill-<pid>.jsonl`, decode counts in `DIR/decode-<pid>.jsonl`, "
+            "per-step distinct experts in `DIR/steps-<pid>.jsonl` (PD prefill and decode servers, "
+            "and plain servers)")
+    publish_timeout: float = _flag("connect/send timeout of one publish (default 2, > 0)", "S",
+                                   _seconds, 2.0,
+                                   doc="connect/send timeout of one publish (seconds, > 0)")
+    signature_key_file: str | None = _flag(
+        "sign published messages with this shared key (HMAC-SHA256; the routers' "
+        "--signature-key-file; default: env ELDR_SIGNATURE_KEY)", "PATH", _path,
+        doc="sign every published body or line with this shared key (HMAC-SHA256; the routers' "
+            "`--signature-key-file`); default: env `ELDR_SIGNATURE_KEY`. A missing or empty file (or a "
+            "set but empty variable) stops the launcher naming it")
+    publish_allow: tuple[str, ...] | None = _flag(
+        "destinations a request may name for its signature (default: with 'request' this machine "
+        "only, with a URL any); the --eldr-publish URL's host is always allowed",
+        "CIDR_OR_HOST[,...]", _allow_list,
+        doc="return addresses a request may name for its signature: CIDRs or addresses (`10.0.0.0/8`) "
+            "allow addresses inside them, host names (`eldr-router`) allow that name and its addresses "
+            "(re-resolved at most every 30 s; an unlisted name is never resolved). The `--eldr-publish "
+            "URL` host is always allowed. Default: with `--eldr-publish request`, this machine only "
+            "(loopback, its host name and addresses); with `--eldr-publish URL`, any address (as "
+            "before; a warning at start says so). A refused address is never connected to: its "
+            "message goes to the `--eldr-publish URL` (or is dropped), counted in "
+            "`eldr_signatures_refused_destinations_total`, logged once per address. See [who may talk "
+            "to whom](ROUTER_HARDENING.md#who-may-talk-to-whom)")
 
     @property
     def active(self) -> bool:
@@ -54,43 +190,9 @@ class EngineConfig:
         return cls(**d)
 
 
-SPREAD = "spread"  # --eldr-publish without layers: evenly spread layers (core.layer_selection)
-
-
-class FlagError(ValueError):
-    """A bad ``--eldr-*`` value; the message names the flag."""
-
-
-def _layers(value: str) -> tuple[int, ...] | str:
-    if value.strip().lower() == "all":
-        return "all"
-    try:
-        layers = tuple(int(x) for x in value.split(",") if x.strip())
-    except ValueError:
-        raise FlagError(f"--eldr-layers: expected 'all' or comma-separated layer ids, got {value!r}")
-    if not layers or min(layers) < 0 or len(set(layers)) != len(layers):
-        raise FlagError(f"--eldr-layers: layer ids must be distinct and >= 0, got {value!r}")
-    return layers
-
-
-REQUEST_ONLY = "request"  # --eldr-publish request: only to the address each request carries
-
-
-def _url(value: str) -> str:
-    if value == REQUEST_ONLY:
-        return value
-    u = urlparse(value)
-    try:
-        port = u.port
-    except ValueError:
-        port = None
-    if u.scheme in ("http", "https") and u.netloc:
-        return value
-    if u.scheme == "tcp" and u.hostname and port:
-        return value
-    raise FlagError("--eldr-publish: expected http://router:8000/eldr/signature, "
-                    "tcp://router:PORT (the router's --signature-port) or 'request' (only the "
-                    f"return address each routed request carries), got {value!r}")
+def flag_of(f: Field) -> str:
+    """The command-line flag of an :class:`EngineConfig` field."""
+    return "--eldr-" + f.name.replace("_", "-")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -101,26 +203,8 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="sglang.launch_server", add_help=False, allow_abbrev=False,
                 description="eldr-sglang plugin flags (expert-locality-aware decode routing)")
-    p.add_argument("--eldr-calibration", dest="calibration", metavar="PATH",
-                   help="calibration artifact: capture its selected layers")
-    p.add_argument("--eldr-layers", dest="layers", metavar="all|0,3,7",
-                   help="capture these layers without an artifact (with --eldr-publish and no "
-                        "artifact: 4 evenly spread layers)")
-    p.add_argument("--eldr-publish", dest="publish", metavar="URL",
-                   help="PD prefill: send each request's signature to the address it carries, else "
-                        "here: tcp://ROUTER:PORT, http://ROUTER:PORT/eldr/signature, or 'request'")
-    p.add_argument("--eldr-metrics-port", dest="metrics_port", metavar="PORT",
-                   help="Prometheus endpoint of the scheduler (distinct experts per decode step)")
-    p.add_argument("--eldr-trace-dir", dest="trace_dir", metavar="DIR",
-                   help="trace mode: per-request expert counts as JSON lines")
-    p.add_argument("--eldr-publish-timeout", dest="publish_timeout", metavar="S",
-                   help="connect/send timeout of one publish (default 2, > 0)")
-    p.add_argument("--eldr-publish-allow", dest="publish_allow", metavar="CIDR_OR_HOST[,...]",
-                   help="destinations a request may name for its signature (default: with 'request' this "
-                        "machine only, with a URL any); the --eldr-publish URL's host is always allowed")
-    p.add_argument("--eldr-signature-key-file", dest="signature_key_file", metavar="PATH",
-                   help="sign published messages with this shared key (HMAC-SHA256; the routers' "
-                        "--signature-key-file; default: env ELDR_SIGNATURE_KEY)")
+    for f in fields(EngineConfig):
+        p.add_argument(flag_of(f), dest=f.name, metavar=f.metadata["metavar"], help=f.metadata["help"])
     return p
 
 
@@ -147,67 +231,44 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def parse_eldr_flags(argv: list[str]) -> EngineConfig:
     """Parse and validate ``--eldr-*`` flags; raise FlagError naming the bad one."""
-    known = [opt for action in _parser()._actions for opt in action.option_strings]
+    p = _parser()
+    known = [opt for action in p._actions for opt in action.option_strings]
     for a in argv:
         if a.startswith("--eldr-") and a.split("=")[0] not in known:
             raise FlagError(f"unknown flag {a.split('=')[0]} (known: {', '.join(known)})")
-    ns, rest = _parser().parse_known_args(argv)
+    ns, rest = p.parse_known_args(argv)
     if rest:
         raise FlagError(f"ELDR flag without a value or malformed: {' '.join(rest)}")
-    kw: dict = {}
-    if ns.calibration is not None:
-        if not Path(ns.calibration).is_file():
-            raise FlagError(f"--eldr-calibration: no such file: {ns.calibration}")
-        from eldr_sglang.core.artifact import load_artifact
+    given = {f.name: getattr(ns, f.name) for f in fields(EngineConfig) if getattr(ns, f.name) is not None}
+    kw: dict[str, Any] = {}
+    for f in fields(EngineConfig):
+        if f.name in given:
+            try:
+                kw[f.name] = f.metadata["read"](given[f.name])
+            except ValueError as exc:
+                raise FlagError(f"{flag_of(f)}: {exc}") from None
+    return EngineConfig(**_together(kw, given))
 
-        try:
-            load_artifact(ns.calibration)
-        except ValueError as exc:
-            raise FlagError(f"--eldr-calibration: {exc}") from None
-        kw["calibration"] = str(Path(ns.calibration).resolve())
-    if ns.layers is not None:
-        if ns.calibration is not None:
-            raise FlagError("--eldr-layers and --eldr-calibration are exclusive (the artifact names the layers)")
-        kw["layers"] = _layers(ns.layers)
-    if ns.publish is not None:
-        if ns.calibration is None and ns.layers is None:
-            kw["layers"] = SPREAD  # no artifact yet (a router with --online learns one)
-        kw["publish"] = _url(ns.publish)
-    if ns.publish_allow is not None:
-        if ns.publish is None:
-            raise FlagError("--eldr-publish-allow: only with --eldr-publish (it limits where signatures go)")
-        from eldr_sglang.patches.publish_allow import parse_entries
 
-        try:
-            kw["publish_allow"] = parse_entries(ns.publish_allow)
-        except ValueError as exc:
-            raise FlagError(f"--eldr-publish-allow: {exc}") from None
-    if ns.signature_key_file is not None or ns.publish is not None:
+def _together(kw: dict[str, Any], given: dict[str, str]) -> dict[str, Any]:
+    """The rules between flags: exclusive pairs, what one flag implies for another."""
+    if "layers" in given and "calibration" in given:
+        raise FlagError("--eldr-layers and --eldr-calibration are exclusive (the artifact names the layers)")
+    if "publish_allow" in given and "publish" not in given:
+        raise FlagError("--eldr-publish-allow: only with --eldr-publish (it limits where signatures go)")
+    if "signature_key_file" in given or "publish" in given:
         from eldr_sglang.core.wire import load_key
 
         try:
-            load_key(ns.signature_key_file, "--eldr-signature-key-file")
+            load_key(given.get("signature_key_file"), "--eldr-signature-key-file")
         except ValueError as exc:
             raise FlagError(str(exc)) from None
-        if ns.signature_key_file is not None:
-            kw["signature_key_file"] = str(Path(ns.signature_key_file).resolve())
-    if ns.metrics_port is not None:
-        if not ns.metrics_port.isdigit() or not 0 < int(ns.metrics_port) < 65536:
-            raise FlagError(f"--eldr-metrics-port: expected a TCP port, got {ns.metrics_port!r}")
-        kw["metrics_port"] = int(ns.metrics_port)
-    if ns.trace_dir is not None:
-        Path(ns.trace_dir).mkdir(parents=True, exist_ok=True)
-        kw["trace_dir"] = str(Path(ns.trace_dir).resolve())
-        if ns.calibration is None and ns.layers is None:
-            kw["layers"] = "all"  # nothing to publish: trace only
-    if ns.publish_timeout is not None:
-        try:
-            kw["publish_timeout"] = float(ns.publish_timeout)
-        except ValueError:
-            raise FlagError(f"--eldr-publish-timeout: expected seconds, got {ns.publish_timeout!r}") from None
-        if not 0 < kw["publish_timeout"] < float("inf"):
-            raise FlagError(f"--eldr-publish-timeout: expected a number of seconds > 0, got {ns.publish_timeout!r}")
-    return EngineConfig(**kw)
+    if "calibration" not in given and "layers" not in given:
+        if "trace_dir" in given:
+            kw["layers"] = "all"  # nothing to publish: trace only (also with --eldr-publish)
+        elif "publish" in given:
+            kw["layers"] = SPREAD  # no artifact yet (a router with --online learns one)
+    return kw
 
 
 def check_model(config: EngineConfig, model_path: str) -> None:
