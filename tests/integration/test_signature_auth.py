@@ -117,3 +117,15 @@ def test_refused_messages_never_reach_the_online_window(key_file):
             assert len(window) == 3 and window.resets == 0
             assert router.metrics.value("signature_auth_refused", reason="unsigned") == 5
     run(main())
+
+
+@pytest.mark.parametrize("transport", ["http", "tcp"])
+def test_a_router_without_a_key_takes_signed_messages(transport):
+    """Engines can get the key before their routers do."""
+    async def main():
+        tcp = {"signature_port": 0, "push_url": False} if transport == "tcp" else {}
+        async with cluster(prefill_kw={"signature_key": KEY}, **tcp) as (router, url, prefill, decodes, http):
+            st, raw = await post(http, f"{url}/generate", {"text": "topic:3 x"})
+            assert st == 200 and orjson.loads(raw)["meta_info"]["server"] == "d3", raw
+            assert router.metrics.value("events", event="signatures_used") == 1
+    run(main())
