@@ -1,5 +1,6 @@
-"""Every kept benchmark script runs its ``--quick`` smoke mode to the end (exit 0), writing only
-under ``ELDR_BENCH_QUICK_OUT`` (here a temporary folder), never over ``benchmark/results``.
+"""Every kept benchmark script runs its ``--quick`` smoke mode to the end (exit 0), writing under
+``ELDR_BENCH_QUICK_OUT`` (here a temporary folder) or its own ``.cache/`` folder, never over
+``benchmark/results``.
 
 Scripts that need real SGLang servers answer ``--quick`` with their plan only (arguments
 checked, nothing started); ``bench_default_policy.py --quick`` and ``report.py --quick`` also
@@ -40,8 +41,10 @@ QUICK = {
 }
 # smoke runs that start router, stub and bench_serving processes (minutes on 2 cores)
 PROCESSES = {"bench_burst.py": [], "bench_serving_routers.py": ["--paths", "eldr,direct"]}
+SLOW = {"bench_online.py": []}  # its --quick replays 2,000 arrivals per scenario: about 3 min on 2 cores
 NEEDS_PROMPT_TRACES = {"bench_predicted_signatures.py": ["--workloads", "task", "--no-sim"]}
 COVERED_ELSEWHERE = {"bench_default_policy.py"}  # tests/unit/test_sim_report.py runs --quick
+NO_QUICK_YET = {"bench_fat_expert.py", "bench_colocated_real.py", "bench_fat_expert_sim.py"}
 
 
 def run_quick(script: str, extra: list[str], out: Path) -> subprocess.CompletedProcess:
@@ -65,6 +68,12 @@ def test_quick_smoke_run_with_processes(script, tmp_path):
     check(run_quick(script, PROCESSES[script], tmp_path))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(SLOW))
+def test_quick_smoke_run_of_minutes(script, tmp_path):
+    check(run_quick(script, SLOW[script], tmp_path))
+
+
 @pytest.mark.skipif(not PROMPT_TRACES.is_file(), reason="needs traces recorded with prompts "
                     "(tools/record_prompt_traces.py on a real SGLang server)")
 @pytest.mark.parametrize("script", sorted(NEEDS_PROMPT_TRACES))
@@ -74,10 +83,9 @@ def test_quick_smoke_run_on_recorded_prompts(script, tmp_path):
 
 def test_every_kept_benchmark_has_a_smoke_run():
     """A new benchmark script joins one of the lists above (modules it imports are not scripts)."""
-    listed = set(QUICK) | set(PROCESSES) | set(NEEDS_PROMPT_TRACES) | COVERED_ELSEWHERE
+    listed = set(QUICK) | set(PROCESSES) | set(SLOW) | set(NEEDS_PROMPT_TRACES) | COVERED_ELSEWHERE | NO_QUICK_YET
     scripts = {p.name for p in BENCH.glob("*.py") if 'if __name__ == "__main__":' in p.read_text()}
-    mine = scripts - {"bench_fat_expert.py", "bench_colocated_real.py", "bench_fat_expert_sim.py"}
-    assert sorted(mine - listed) == []
+    assert sorted(scripts - listed) == []
 
 
 def test_quick_runs_write_under_the_quick_folder(tmp_path):
