@@ -16,7 +16,7 @@ from eldr_sglang.router.app import start_router
 from eldr_sglang.router.cli import parse_args
 from eldr_sglang.router.colocated import ColocatedRouter
 from eldr_sglang.testing.stub_worker import StubWorker
-from tests.integration.helpers import post, run
+from tests.integration.helpers import post
 
 TOPICS, PER_TOPIC, E = 4, 10, 8  # token t belongs to topic t // PER_TOPIC, which owns experts 2k, 2k + 1
 
@@ -69,36 +69,32 @@ async def colocated(n=TOPICS, artifact=None, tokenizer=None, policy="eldr", work
             await w.stop()
 
 
-def test_routes_by_predicted_signature_and_forwards_body_unchanged():
-    async def go():
-        async with colocated() as (router, url, workers, http):
-            for k in (2, 0, 3, 1):
-                body = {"input_ids": topic_ids(k, seed=9), "sampling_params": {"max_new_tokens": 4}, "rid": f"r{k}"}
-                status, raw = await post(http, f"{url}/generate", body)
-                assert status == 200, raw
-                assert orjson.loads(raw)["meta_info"]["server"] == f"w{k}"
-                assert workers[k].requests[-1] == {"endpoint": "generate", **body}
-            assert router.metrics.value("route_path", mode="colocated", path="predicted") == 4
-            status, text = await _get(http, f"{url}/metrics")
-            assert 'eldr_router_route_path_total{mode="colocated",path="predicted"} 4.0' in text
-    run(go())
+async def test_routes_by_predicted_signature_and_forwards_body_unchanged():
+    async with colocated() as (router, url, workers, http):
+        for k in (2, 0, 3, 1):
+            body = {"input_ids": topic_ids(k, seed=9), "sampling_params": {"max_new_tokens": 4}, "rid": f"r{k}"}
+            status, raw = await post(http, f"{url}/generate", body)
+            assert status == 200, raw
+            assert orjson.loads(raw)["meta_info"]["server"] == f"w{k}"
+            assert workers[k].requests[-1] == {"endpoint": "generate", **body}
+        assert router.metrics.value("route_path", mode="colocated", path="predicted") == 4
+        status, text = await _get(http, f"{url}/metrics")
+        assert 'eldr_router_route_path_total{mode="colocated",path="predicted"} 4.0' in text
 
 
-def test_streaming_and_openai_completions_relayed():
-    async def go():
-        async with colocated(worker_kw={"stream_chunks": 3}) as (router, url, workers, http):
-            async with http.post(f"{url}/v1/completions",
-                                 json={"prompt": topic_ids(1), "stream": True, "max_tokens": 3}) as r:
-                assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
-                text = (await r.read()).decode()
-            events = [ln for ln in text.split("\n") if ln.startswith("data: ")]
-            assert len(events) == 4 and events[-1] == "data: [DONE]"
-            assert orjson.loads(events[0][6:])["meta_info"]["server"] == "w1"
-            assert workers[1].requests[-1]["endpoint"] == "v1/completions"
-    run(go())
+async def test_streaming_and_openai_completions_relayed():
+    async with colocated(worker_kw={"stream_chunks": 3}) as (router, url, workers, http):
+        async with http.post(f"{url}/v1/completions",
+                             json={"prompt": topic_ids(1), "stream": True, "max_tokens": 3}) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+            text = (await r.read()).decode()
+        events = [ln for ln in text.split("\n") if ln.startswith("data: ")]
+        assert len(events) == 4 and events[-1] == "data: [DONE]"
+        assert orjson.loads(events[0][6:])["meta_info"]["server"] == "w1"
+        assert workers[1].requests[-1]["endpoint"] == "v1/completions"
 
 
-def test_chat_and_text_use_the_models_tokenizer():
+async def test_chat_and_text_use_the_models_tokenizer():
     tok = load_tokenizer("models/eldr-tiny-moe")
     words = "def parse(self, value): return value.strip()"
     ids = tok.encode(words)
@@ -113,29 +109,25 @@ def test_chat_and_text_use_the_models_tokenizer():
     art = CalibrationArtifact(model=base.model, variant="idf", layers=[0, 1], idf=base.idf, centroids=base.centroids,
                               tau=0.1, predictor=SignaturePredictor(alpha=1e-3).fit(prompts, counts))
 
-    async def go():
-        async with colocated(artifact=art, tokenizer=tok) as (router, url, workers, http):
-            status, raw = await post(http, f"{url}/v1/chat/completions",
-                                     {"messages": [{"role": "user", "content": words}], "max_tokens": 2})
-            assert status == 200 and orjson.loads(raw)["meta_info"]["server"] == "w3"
-            status, raw = await post(http, f"{url}/generate", {"text": "plain words of another kind"})
-            assert status == 200 and orjson.loads(raw)["meta_info"]["server"] == "w0"
-    run(go())
+    async with colocated(artifact=art, tokenizer=tok) as (router, url, workers, http):
+        status, raw = await post(http, f"{url}/v1/chat/completions",
+                                 {"messages": [{"role": "user", "content": words}], "max_tokens": 2})
+        assert status == 200 and orjson.loads(raw)["meta_info"]["server"] == "w3"
+        status, raw = await post(http, f"{url}/generate", {"text": "plain words of another kind"})
+        assert status == 200 and orjson.loads(raw)["meta_info"]["server"] == "w0"
 
 
-def test_score_endpoint_ranks_servers():
-    async def go():
-        async with colocated() as (router, url, workers, http):
-            status, raw = await post(http, f"{url}/eldr/score", {"input_ids": topic_ids(2)})
-            assert status == 200, raw
-            doc = orjson.loads(raw)
-            assert doc["server"] == workers[2].url and doc["region"] == 2 and doc["routing_key"] == "eldr-2"
-            assert [r["index"] for r in doc["ranked"]][0] == 2 and len(doc["ranked"]) == TOPICS
-            sims = [r["similarity"] for r in doc["ranked"]]
-            assert sims == sorted(sims, reverse=True) and doc["prompt_tokens"] == 30
-            assert workers[2].served == 0  # scoring sends nothing
-            assert router.metrics.value("route_path", mode="score", path="predicted") == 1
-    run(go())
+async def test_score_endpoint_ranks_servers():
+    async with colocated() as (router, url, workers, http):
+        status, raw = await post(http, f"{url}/eldr/score", {"input_ids": topic_ids(2)})
+        assert status == 200, raw
+        doc = orjson.loads(raw)
+        assert doc["server"] == workers[2].url and doc["region"] == 2 and doc["routing_key"] == "eldr-2"
+        assert [r["index"] for r in doc["ranked"]][0] == 2 and len(doc["ranked"]) == TOPICS
+        sims = [r["similarity"] for r in doc["ranked"]]
+        assert sims == sorted(sims, reverse=True) and doc["prompt_tokens"] == 30
+        assert workers[2].served == 0  # scoring sends nothing
+        assert router.metrics.value("route_path", mode="score", path="predicted") == 1
 
 
 @pytest.mark.parametrize("path,body,status,needle", [
@@ -147,35 +139,29 @@ def test_score_endpoint_ranks_servers():
     ("/eldr/score", {"input_ids": "abc"}, 400, "input_ids"),
     ("/eldr/score", {"input_ids": [1], "endpoint": "nope"}, 400, "endpoint"),
 ])
-def test_bad_input_gets_4xx_json(path, body, status, needle):
-    async def go():
-        async with colocated() as (router, url, workers, http):
-            got, raw = await post(http, f"{url}{path}", body)
-            err = orjson.loads(raw)["error"]  # OpenAI-shaped on /v1/*, as the PD router answers
-            assert got == status and needle in (err["message"] if path.startswith("/v1/") else err)
-            assert sum(w.served for w in workers) == 0
-    run(go())
+async def test_bad_input_gets_4xx_json(path, body, status, needle):
+    async with colocated() as (router, url, workers, http):
+        got, raw = await post(http, f"{url}{path}", body)
+        err = orjson.loads(raw)["error"]  # OpenAI-shaped on /v1/*, as the PD router answers
+        assert got == status and needle in (err["message"] if path.startswith("/v1/") else err)
+        assert sum(w.served for w in workers) == 0
 
 
-def test_without_predictor_routes_by_load_and_score_says_why():
-    async def go():
-        async with colocated(artifact=make_artifact(with_predictor=False)) as (router, url, workers, http):
-            status, raw = await post(http, f"{url}/generate", {"input_ids": topic_ids(2)})
-            assert status == 200
-            assert router.metrics.value("route_path", mode="colocated", path="fallback") == 1
-            status, raw = await post(http, f"{url}/eldr/score", {"input_ids": topic_ids(2)})
-            assert status == 409 and "no signature predictor" in orjson.loads(raw)["error"]
-    run(go())
+async def test_without_predictor_routes_by_load_and_score_says_why():
+    async with colocated(artifact=make_artifact(with_predictor=False)) as (router, url, workers, http):
+        status, raw = await post(http, f"{url}/generate", {"input_ids": topic_ids(2)})
+        assert status == 200
+        assert router.metrics.value("route_path", mode="colocated", path="fallback") == 1
+        status, raw = await post(http, f"{url}/eldr/score", {"input_ids": topic_ids(2)})
+        assert status == 409 and "no signature predictor" in orjson.loads(raw)["error"]
 
 
-def test_refused_connection_goes_to_the_next_choice():
-    async def go():
-        async with colocated() as (router, url, workers, http):
-            await workers[2].stop()
-            status, raw = await post(http, f"{url}/generate", {"input_ids": topic_ids(2)})
-            assert status == 200 and orjson.loads(raw)["meta_info"]["server"] != "w2"
-            assert router.metrics.value("retries", role="worker") == 1
-    run(go())
+async def test_refused_connection_goes_to_the_next_choice():
+    async with colocated() as (router, url, workers, http):
+        await workers[2].stop()
+        status, raw = await post(http, f"{url}/generate", {"input_ids": topic_ids(2)})
+        assert status == 200 and orjson.loads(raw)["meta_info"]["server"] != "w2"
+        assert router.metrics.value("retries", role="worker") == 1
 
 
 def test_cli_mode_colocated():
@@ -201,38 +187,32 @@ def _pd(binding, **kw):
                    health_interval=0, load_interval=0, **kw)
 
 
-def test_pd_early_binding_chooses_decode_from_predicted_signature():
-    async def go():
-        async with _pd("early") as (router, url, prefill, decodes, http):
-            for k in (3, 1):
-                status, raw = await post(http, f"{url}/generate", {"input_ids": topic_ids(k, seed=4)})
-                assert status == 200, raw
-                assert orjson.loads(raw)["meta_info"]["server"] == f"d{k}"
-            assert router.metrics.value("route_path", mode="early", path="early") == 2
-            assert router.metrics.value("fallbacks") == 0  # no signature was waited for
-    run(go())
+async def test_pd_early_binding_chooses_decode_from_predicted_signature():
+    async with _pd("early") as (router, url, prefill, decodes, http):
+        for k in (3, 1):
+            status, raw = await post(http, f"{url}/generate", {"input_ids": topic_ids(k, seed=4)})
+            assert status == 200, raw
+            assert orjson.loads(raw)["meta_info"]["server"] == f"d{k}"
+        assert router.metrics.value("route_path", mode="early", path="early") == 2
+        assert router.metrics.value("fallbacks") == 0  # no signature was waited for
 
 
-def test_pd_auto_binding_binds_late_when_unsure():
-    async def go():
-        async with _pd("auto", binding_margin=0.05) as (router, url, prefill, decodes, http):
-            sure = topic_ids(2)
-            torn = topic_ids(0, n=15) + topic_ids(1, n=15)  # two regions alike: margin ~ 0
-            assert (await post(http, f"{url}/generate", {"input_ids": sure}))[0] == 200
-            assert (await post(http, f"{url}/generate", {"input_ids": torn}))[0] == 200
-            assert router.metrics.value("route_path", mode="early", path="early") == 1
-            assert router.metrics.value("route_path", mode="early", path="late") == 1
-            assert router.metrics.value("fallbacks", reason="timeout") == 1  # the late one waited
-    run(go())
+async def test_pd_auto_binding_binds_late_when_unsure():
+    async with _pd("auto", binding_margin=0.05) as (router, url, prefill, decodes, http):
+        sure = topic_ids(2)
+        torn = topic_ids(0, n=15) + topic_ids(1, n=15)  # two regions alike: margin ~ 0
+        assert (await post(http, f"{url}/generate", {"input_ids": sure}))[0] == 200
+        assert (await post(http, f"{url}/generate", {"input_ids": torn}))[0] == 200
+        assert router.metrics.value("route_path", mode="early", path="early") == 1
+        assert router.metrics.value("route_path", mode="early", path="late") == 1
+        assert router.metrics.value("fallbacks", reason="timeout") == 1  # the late one waited
 
 
-def test_pd_late_binding_is_unchanged():
-    async def go():
-        async with _pd("late") as (router, url, prefill, decodes, http):
-            assert (await post(http, f"{url}/generate", {"input_ids": topic_ids(2)}))[0] == 200
-            assert router.metrics.value("route_path", mode="early", path="early") == 0
-            assert router.metrics.value("fallbacks", reason="timeout") == 1
-    run(go())
+async def test_pd_late_binding_is_unchanged():
+    async with _pd("late") as (router, url, prefill, decodes, http):
+        assert (await post(http, f"{url}/generate", {"input_ids": topic_ids(2)}))[0] == 200
+        assert router.metrics.value("route_path", mode="early", path="early") == 0
+        assert router.metrics.value("fallbacks", reason="timeout") == 1
 
 
 @pytest.mark.parametrize("kw,needle", [({"binding": "soon"}, "binding"), ({"binding_margin": -0.1}, "binding_margin"),

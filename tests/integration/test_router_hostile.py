@@ -10,7 +10,7 @@ import pytest
 
 from eldr_sglang.router.signatures import SignatureBoard, parse_message
 from eldr_sglang.testing.stub_worker import topic_counts
-from tests.integration.helpers import cluster, post, run, until
+from tests.integration.helpers import cluster, post, until
 
 pytestmark = pytest.mark.timeout(60)
 

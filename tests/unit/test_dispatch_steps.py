@@ -99,109 +99,82 @@ def test_prepare_sets_bootstrap_fields_prefill_and_label():
     assert "sampling_params" not in fl.body  # and no return address is asked for
 
 
-def test_prepare_of_a_batch_and_a_signature_policy():
-    async def main():  # the rooms' waiters are futures of the running loop
-        parts = make_parts(artifact=toy_calibration_artifact(2), policy="eldr")
-        parts.runtime.return_address = "tcp://router:8001"
-        d = Dispatcher(parts)
-        fl = flight(parts, {"text": ["a", "b"], "rid": ["x", "y"]}, n=2)
-        d.prepare(fl, {})
-        assert len(fl.rooms) == 2 and fl.body["bootstrap_room"] == fl.rooms
-        assert fl.body["bootstrap_port"] == [8998, 8998]
-        assert fl.body["sampling_params"]["custom_params"][RETURN_ADDRESS_KEY] == "tcp://router:8001"
-        assert len(fl.waiters) == 2 and set(parts.board.waiters) == set(fl.rooms)
-    asyncio.run(main())
+async def test_prepare_of_a_batch_and_a_signature_policy():
+    seen = []
 
+    async def answer(request):
+        seen.append(await request.json())
+        return web.json_response({"ok": True})
 
-# ------------------------------------------------------------ prefill
-def test_prefill_posts_the_payload_and_reads_the_answer():
-    async def main():
-        seen = []
-
-        async def answer(request):
-            seen.append(await request.json())
-            return web.json_response({"ok": True})
-
-        async with worker(answer) as url:
-            parts = make_parts(prefill=url)
-            d = Dispatcher(parts)
-            fl = flight(parts)
-            d.prepare(fl, {})
-            res = await d.prefill(fl)
-            assert res.ok and res.url == url and orjson.loads(res.body) == {"ok": True}
-            assert seen[0]["bootstrap_room"] == fl.rooms[0] and seen[0]["rid"] == "r1"
-            assert fl.sent == {id(fl.prefill)}
-            parts.upstream.close()
-    asyncio.run(main())
-
-
-def test_prefill_to_a_refused_port_is_an_unreachable_result():
-    async def main():
-        parts = make_parts(prefill=f"http://127.0.0.1:{closed_port()}")
+    async with worker(answer) as url:
+        parts = make_parts(prefill=url)
         d = Dispatcher(parts)
         fl = flight(parts)
         d.prepare(fl, {})
         res = await d.prefill(fl)
-        assert res.status == 0 and "unreachable" in res.error and not res.ok
-        assert d.relay.prefill_error(res).status == 503  # retryable: Retry-After
-        assert not fl.sent
-    asyncio.run(main())
+        assert res.ok and res.url == url and orjson.loads(res.body) == {"ok": True}
+        assert seen[0]["bootstrap_room"] == fl.rooms[0] and seen[0]["rid"] == "r1"
+        assert fl.sent == {id(fl.prefill)}
+        parts.upstream.close()
+
+
+async def test_prefill_to_a_refused_port_is_an_unreachable_result():
+    parts = make_parts(prefill=f"http://127.0.0.1:{closed_port()}")
+    d = Dispatcher(parts)
+    fl = flight(parts)
+    d.prepare(fl, {})
+    res = await d.prefill(fl)
+    assert res.status == 0 and "unreachable" in res.error and not res.ok
+    assert d.relay.prefill_error(res).status == 503  # retryable: Retry-After
+    assert not fl.sent
 
 
 # ------------------------------------------------------------ signature
-def test_signature_step_routes_by_the_rooms_message():
-    async def main():
-        parts = make_parts(artifact=toy_calibration_artifact(2), policy="eldr")
-        d = Dispatcher(parts)
-        fl = flight(parts)
-        d.prepare(fl, {})
-        fl.prefill_task = asyncio.get_running_loop().create_future()  # still running
-        counts = topic_counts("topic:1 hi")
-        parts.board.post({"bootstrap_room": fl.rooms[0], "layers": [0, 1], "counts": counts})
-        assert await d.signature(fl) is None
-        want = parts.state.routing.encoder.encode({"layers": [0, 1], "counts": counts})
-        assert fl.route.signature == pytest.approx(want)
-        assert parts.state.last_layers == [0, 1]
-        assert parts.metrics.value("events", event="signatures_used") == 1
-    asyncio.run(main())
+async def test_signature_step_routes_by_the_rooms_message():
+    parts = make_parts(artifact=toy_calibration_artifact(2), policy="eldr")
+    d = Dispatcher(parts)
+    fl = flight(parts)
+    d.prepare(fl, {})
+    fl.prefill_task = asyncio.get_running_loop().create_future()  # still running
+    counts = topic_counts("topic:1 hi")
+    parts.board.post({"bootstrap_room": fl.rooms[0], "layers": [0, 1], "counts": counts})
+    assert await d.signature(fl) is None
+    want = parts.state.routing.encoder.encode({"layers": [0, 1], "counts": counts})
+    assert fl.route.signature == pytest.approx(want)
+    assert parts.state.last_layers == [0, 1]
+    assert parts.metrics.value("events", event="signatures_used") == 1
 
 
-def test_signature_step_ends_with_the_failed_prefill():
-    async def main():
-        parts = make_parts(artifact=toy_calibration_artifact(2), policy="eldr")
-        d = Dispatcher(parts)
-        fl = flight(parts)
-        d.prepare(fl, {})
-        failed = PrefillResult(500, b'{"error": "boom"}', url="p")
-        fl.prefill_task = asyncio.get_running_loop().create_future()
-        fl.prefill_task.set_result(failed)
-        assert await d.signature(fl) is failed
-        assert fl.route.signature is None
-    asyncio.run(main())
+async def test_signature_step_ends_with_the_failed_prefill():
+    parts = make_parts(artifact=toy_calibration_artifact(2), policy="eldr")
+    d = Dispatcher(parts)
+    fl = flight(parts)
+    d.prepare(fl, {})
+    failed = PrefillResult(500, b'{"error": "boom"}', url="p")
+    fl.prefill_task = asyncio.get_running_loop().create_future()
+    fl.prefill_task.set_result(failed)
+    assert await d.signature(fl) is failed
+    assert fl.route.signature is None
 
 
-def test_signature_step_takes_an_early_route_without_waiting():
-    async def main():
-        early = RouteRequest(label="early")
-        parts = make_parts(artifact=toy_calibration_artifact(2), policy="eldr")
-        parts = replace(parts, early=lambda body, endpoint, label: early)
-        d = Dispatcher(parts)
-        fl = flight(parts)
-        d.prepare(fl, {})
-        fl.prefill_task = asyncio.get_running_loop().create_future()  # would never end
-        assert await asyncio.wait_for(d.signature(fl), 5) is None and fl.route is early
-    asyncio.run(main())
+async def test_signature_step_takes_an_early_route_without_waiting():
+    early = RouteRequest(label="early")
+    parts = make_parts(artifact=toy_calibration_artifact(2), policy="eldr")
+    parts = replace(parts, early=lambda body, endpoint, label: early)
+    d = Dispatcher(parts)
+    fl = flight(parts)
+    d.prepare(fl, {})
+    fl.prefill_task = asyncio.get_running_loop().create_future()  # would never end
+    assert await asyncio.wait_for(d.signature(fl), 5) is None and fl.route is early
 
 
-def test_no_signature_policy_routes_by_label_only():
-    async def main():
-        parts = make_parts()
-        d = Dispatcher(parts)
-        fl = flight(parts)
-        fl.label = "lab"
-        assert await d.signature(fl) is None
-        assert fl.route.label == "lab" and fl.route.signature is None
-    asyncio.run(main())
+async def test_no_signature_policy_routes_by_label_only():
+    parts = make_parts()
+    d = Dispatcher(parts)
+    fl = flight(parts)
+    fl.label = "lab"
+    assert await d.signature(fl) is None
+    assert fl.route.label == "lab" and fl.route.signature is None
 
 
 # ------------------------------------------------------------ decide
@@ -225,41 +198,37 @@ def test_decide_picks_the_least_loaded_and_note_logs_a_typed_record():
 
 
 # ------------------------------------------------------------ decode and relay
-def test_decode_then_relay_returns_the_decode_answer_after_the_prefill():
-    async def main():
-        async def answer(request):
-            body = await request.json()
-            return web.json_response({"text": "done", "room": body["bootstrap_room"]})
+async def test_decode_then_relay_returns_the_decode_answer_after_the_prefill():
+    async def answer(request):
+        body = await request.json()
+        return web.json_response({"text": "done", "room": body["bootstrap_room"]})
 
-        async with worker(answer) as url:
-            parts = make_parts(decodes=(url,))
-            d = Dispatcher(parts)
-            fl = flight(parts)
-            d.prepare(fl, {})
-            fl.prefill_task = asyncio.get_running_loop().create_future()
-            fl.prefill_task.set_result(PrefillResult(200, b"{}"))
-            dw = parts.pool.decodes[0]
-            ticket = parts.pool.enter(dw)
-            resp = await d.decode(dw, fl)
-            try:
-                out = await d.relay.relay(None, resp, dw, ticket, fl)
-            finally:
-                resp.release()
-                parts.pool.leave(dw, ticket)
-            assert out.status == 200 and orjson.loads(out.body) == {"text": "done", "room": fl.rooms[0]}
-            parts.upstream.close()
-    asyncio.run(main())
-
-
-def test_decode_is_never_sent_after_a_failed_prefill():
-    async def main():
-        parts = make_parts()
+    async with worker(answer) as url:
+        parts = make_parts(decodes=(url,))
         d = Dispatcher(parts)
         fl = flight(parts)
         d.prepare(fl, {})
-        failed = PrefillResult(0, b"", "prefill server unreachable: refused")
         fl.prefill_task = asyncio.get_running_loop().create_future()
-        fl.prefill_task.set_result(failed)
-        assert await d.decode(parts.pool.decodes[0], fl) is failed
-        assert not fl.sent
-    asyncio.run(main())
+        fl.prefill_task.set_result(PrefillResult(200, b"{}"))
+        dw = parts.pool.decodes[0]
+        ticket = parts.pool.enter(dw)
+        resp = await d.decode(dw, fl)
+        try:
+            out = await d.relay.relay(None, resp, dw, ticket, fl)
+        finally:
+            resp.release()
+            parts.pool.leave(dw, ticket)
+        assert out.status == 200 and orjson.loads(out.body) == {"text": "done", "room": fl.rooms[0]}
+        parts.upstream.close()
+
+
+async def test_decode_is_never_sent_after_a_failed_prefill():
+    parts = make_parts()
+    d = Dispatcher(parts)
+    fl = flight(parts)
+    d.prepare(fl, {})
+    failed = PrefillResult(0, b"", "prefill server unreachable: refused")
+    fl.prefill_task = asyncio.get_running_loop().create_future()
+    fl.prefill_task.set_result(failed)
+    assert await d.decode(parts.pool.decodes[0], fl) is failed
+    assert not fl.sent
