@@ -30,7 +30,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from common import command_line, fmt_mean_sd, parse_with_quick, quick_out, write_record
+from common import command_line, fmt_mean_sd, markdown_table, parse_with_quick, quick_out, write_record
 from eldr_sglang.sim import experiments
 from eldr_sglang.core.policies import make_policy
 from eldr_sglang.sim.cost_model import fit_moe_layer_fixed, fit_to_microbench, get_params, layer_ratio
@@ -91,18 +91,15 @@ def main(argv=None) -> int:
 
 
 def render(rows: list[dict], command: str, seeds: int, rate: float) -> str:
-    lines = [f"# ELDR's TPOT gain across cost models (SIMULATED; task, 8P16D, {rate:g} req/s, {seeds} seeds)", "",
-             f"Command: `{command}`", "",
-             "| cost model | 128/16 layer ratio | median gain vs RR % | P99 gain vs RR % | median gain vs JSQ % | "
-             "P99 gain vs JSQ % |", "|---|---|---|---|---|---|"]
+    cells = []
     for label in dict.fromkeys(r["params"] for r in rows):
         sel = [r for r in rows if r["params"] == label]
-
-        def ms(k: str) -> str:
-            return fmt_mean_sd([r[k] for r in sel])
-        lines.append(f"| {label} | {sel[0]['ratio_128_16']:.2f} | {ms('gain_median_vs_round_robin')} | "
-                     f"{ms('gain_p99_vs_round_robin')} | {ms('gain_median_vs_jsq')} | {ms('gain_p99_vs_jsq')} |")
-    return "\n".join(lines) + "\n"
+        cells.append([label, f"{sel[0]['ratio_128_16']:.2f}", *(fmt_mean_sd([r[k] for r in sel]) for k in (
+            "gain_median_vs_round_robin", "gain_p99_vs_round_robin", "gain_median_vs_jsq", "gain_p99_vs_jsq"))])
+    table = markdown_table(["cost model", "128/16 layer ratio", "median gain vs RR %", "P99 gain vs RR %",
+                            "median gain vs JSQ %", "P99 gain vs JSQ %"], cells)
+    return (f"# ELDR's TPOT gain across cost models (SIMULATED; task, 8P16D, {rate:g} req/s, {seeds} seeds)\n\n"
+            f"Command: `{command}`\n\n{table}\n")
 
 
 if __name__ == "__main__":

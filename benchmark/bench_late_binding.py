@@ -21,7 +21,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from common import command_line, fmt_mean_sd, parse_with_quick, quick_out, write_record
+from common import command_line, fmt_mean_sd, markdown_table, parse_with_quick, quick_out, write_record
 from eldr_sglang.sim import experiments
 from eldr_sglang.core.policies import make_policy
 from eldr_sglang.sim.simulator import SimConfig, simulate
@@ -69,9 +69,7 @@ def main(argv=None) -> int:
 
 
 def render(rows: list[dict], command: str, seeds: int) -> str:
-    lines = [f"# Late binding priced (SIMULATED; {seeds} seeds, mean ± sd)", "", f"Command: `{command}`", "",
-             "| req/s | policy | binding | signature wait ms | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms "
-             "| prompt tokens held on prefill for transfer |", "|---|---|---|---|---|---|---|---|---|"]
+    cells = []
     keys = sorted({(r["rate"], r["policy"], r["binding"], r["wait_s"]) for r in rows},
                   key=lambda k: (k[0], k[2] != "early", k[1], k[3]))
     for rate, policy, binding, wait in keys:
@@ -79,9 +77,11 @@ def render(rows: list[dict], command: str, seeds: int) -> str:
 
         def ms(m: str, digits: int = 1) -> str:
             return fmt_mean_sd([r[m] for r in sel], digits)
-        lines.append(f"| {rate:g} | {policy} | {binding} | {1e3 * wait:g} | {ms('ttft_median_ms')} | "
-                     f"{ms('ttft_p99_ms')} | {ms('tpot_median_ms', 2)} | {ms('tpot_p99_ms', 2)} | "
-                     f"{ms('prefill_kv_held_tokens', 0)} |")
+        cells.append([f"{rate:g}", policy, binding, f"{1e3 * wait:g}", ms("ttft_median_ms"), ms("ttft_p99_ms"),
+                      ms("tpot_median_ms", 2), ms("tpot_p99_ms", 2), ms("prefill_kv_held_tokens", 0)])
+    lines = [f"# Late binding priced (SIMULATED; {seeds} seeds, mean ± sd)", "", f"Command: `{command}`", "",
+             markdown_table(["req/s", "policy", "binding", "signature wait ms", "TTFT p50 ms", "TTFT p99 ms",
+                             "TPOT p50 ms", "TPOT p99 ms", "prompt tokens held on prefill for transfer"], cells)]
     lines += ["", "Early binding chooses at arrival with no signature (sglang-router's flow), so ELDR is only "
               "possible with late binding. The wait is what the router adds between the prefill's end and its "
               "decision (engine publish + signature transport + decision), on top of the KV transfer "

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import command_line, fmt_mean_sd, parse_with_quick, quick_out, write_record
+from common import command_line, fmt_mean_sd, markdown_table, parse_with_quick, quick_out, write_record
 from eldr_sglang.sim import experiments
 from eldr_sglang.core.policies import make_policy
 from eldr_sglang.core.step_sets import independent_distinct, load_step_experts, true_distinct
@@ -163,24 +163,24 @@ def render(result: dict) -> str:
             lines += [f"Repetition in the outputs (greedy, small model): {100 * r['repeated_4gram_share_mean']:.1f}% "
                       f"of 4-grams repeat an earlier one (p90 {100 * r['repeated_4gram_share_p90']:.1f}%); "
                       f"{100 * r['ends_in_loop_share']:.1f}% of outputs end in a loop of period <= 16.", ""]
-        lines += ["### 1. Distinct experts per layer of a batch: truth vs independence (mean ± sd over seeds)", "",
-                  "| grouping | batch | true | independence | mean error % | p95 abs error % |", "|---|---|---|---|---|---|"]
         err = wl["error"]
         keys = sorted({(r["grouping"], r["batch"]) for r in err}, key=lambda k: (GROUPINGS.index(k[0]), k[1]))
+        cells = []
         for g, b in keys:
             rs = [r for r in err if r["grouping"] == g and r["batch"] == b]
-            lines.append(f"| {g} | {b} | {fmt_mean_sd([r['true_distinct'] for r in rs])} | "
-                         f"{fmt_mean_sd([r['approx_distinct'] for r in rs])} | {fmt_mean_sd([r['rel_error_mean_pct'] for r in rs])} | "
-                         f"{fmt_mean_sd([r['rel_error_abs_p95_pct'] for r in rs])} |")
-        lines += ["", "Fewer distinct experts when grouped than mixed (%), truth vs approximation:", "",
-                  "| grouping | batch | true | independence |", "|---|---|---|---|"]
+            cells.append([g, b, *(fmt_mean_sd([r[k] for r in rs]) for k in (
+                "true_distinct", "approx_distinct", "rel_error_mean_pct", "rel_error_abs_p95_pct"))])
+        lines += ["### 1. Distinct experts per layer of a batch: truth vs independence (mean ± sd over seeds)", "",
+                  markdown_table(["grouping", "batch", "true", "independence", "mean error %", "p95 abs error %"],
+                                 cells)]
         per_seed = {}
         for seed in sorted({r["seed"] for r in err}):
             for g in grouping_gain([r for r in err if r["seed"] == seed]):
                 per_seed.setdefault((g["grouping"], g["batch"]), []).append(g)
-        for (g, b), rs in per_seed.items():
-            lines.append(f"| {g} | {b} | {fmt_mean_sd([r['true_reduction_pct'] for r in rs])} | "
-                         f"{fmt_mean_sd([r['approx_reduction_pct'] for r in rs])} |")
+        cells = [[g, b, fmt_mean_sd([r["true_reduction_pct"] for r in rs]),
+                  fmt_mean_sd([r["approx_reduction_pct"] for r in rs])] for (g, b), rs in per_seed.items()]
+        lines += ["", "Fewer distinct experts when grouped than mixed (%), truth vs approximation:", "",
+                  markdown_table(["grouping", "batch", "true", "independence"], cells)]
         lines += ["", "### 2. SIMULATED: ELDR vs round robin, 16 decode servers", "",
                   "| req/s | decode model | RR median TPOT ms | ELDR median TPOT ms | ELDR median gain % | "
                   "ELDR P99 gain % | distinct/step RR | distinct/step ELDR | mean batch |",

@@ -44,7 +44,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-from common import command_line, fmt_mean_sd, write_record
+from common import command_line, fmt_mean_sd, markdown_table, write_record
 from eldr_sglang.core.layer_selection import spread_layers  # noqa: E402
 from eldr_sglang.core.online import OnlineCalibrator, OnlineSettings, run_fit  # noqa: E402
 from eldr_sglang.core.policies import make_policy  # noqa: E402
@@ -215,21 +215,16 @@ def render(results: dict, command: str) -> str:
              "(d) scale-in 24 -> 16": [r["scale_in"] for r in seeds]}
     lines = [f"# Online calibration (SIMULATED; {len(seeds)} seeds, mean ± sd)", "",
              f"Command: `{command}`", "",
-             "Reduction of distinct experts per decode step vs jsq (%), median and P99 TPOT (ms), load CV:", "",
-             "| scenario | static | online | oracle | online / oracle | TPOT p50 static / online / jsq | "
-             "TPOT p99 static / online / jsq | load CV static / online |",
-             "|---|---|---|---|---|---|---|---|"]
-    verdicts = []
+             "Reduction of distinct experts per decode step vs jsq (%), median and P99 TPOT (ms), load CV:", ""]
+    verdicts, rows = [], []
     for name, cs in cells.items():
         red = {p: [reduction(c, p) for c in cs] for p in ("static", "online", "oracle")}
         ratio = np.mean(red["online"]) / max(np.mean(red["oracle"]), 1e-9)
         tp = lambda p, q: np.mean([c[p][q] for c in cs])  # noqa: E731
-        pct = [fmt_mean_sd(red[k], scale=100) for k in ("static", "online", "oracle")]
-        lines.append(f"| {name} | {pct[0]} | {pct[1]} | {pct[2]} | "
-                     f"{ratio:.2f} | {tp('static', 'tpot_median_ms'):.2f} / {tp('online', 'tpot_median_ms'):.2f} / "
-                     f"{tp('jsq', 'tpot_median_ms'):.2f} | {tp('static', 'tpot_p99_ms'):.2f} / "
-                     f"{tp('online', 'tpot_p99_ms'):.2f} / {tp('jsq', 'tpot_p99_ms'):.2f} | "
-                     f"{tp('static', 'load_cv'):.3f} / {tp('online', 'load_cv'):.3f} |")
+        rows.append([name, *(fmt_mean_sd(red[k], scale=100) for k in ("static", "online", "oracle")), f"{ratio:.2f}",
+                     " / ".join(f"{tp(p, 'tpot_median_ms'):.2f}" for p in ("static", "online", "jsq")),
+                     " / ".join(f"{tp(p, 'tpot_p99_ms'):.2f}" for p in ("static", "online", "jsq")),
+                     f"{tp('static', 'load_cv'):.3f} / {tp('online', 'load_cv'):.3f}"])
         if name.startswith("(a)"):
             got = np.mean(red["online"]) / max(np.mean(red["static"]), 1e-9)
             verdicts.append(f"- {name[4:]}: online reaches {100 * got:.0f}% of the offline artifact's reduction "
@@ -249,7 +244,10 @@ def render(results: dict, command: str) -> str:
                         f"{100 * worst:.1f}% (bound 1/K + 10% per step): {'met' if ok else 'NOT met'}")
     fits = [f for r in seeds for f in r["cold"]["online"].get("fits", [])]
     drift_fits = [f["reason"] for r in seeds for ph in ("language", "mixed") for f in r["drift"][ph]["online"]["fits"]]
-    lines += ["", "Targets:", *verdicts, "",
+    lines += [markdown_table(["scenario", "static", "online", "oracle", "online / oracle",
+                              "TPOT p50 static / online / jsq", "TPOT p99 static / online / jsq",
+                              "load CV static / online"], rows),
+              "", "Targets:", *verdicts, "",
               f"Online fits in the cold-start runs: {len(fits)}; in the drift runs, by reason: "
               + ", ".join(f"{x} {drift_fits.count(x)}" for x in sorted(set(drift_fits))), "",
               "Fits are instantaneous in simulated time; the router fits in another process (seconds) and "
