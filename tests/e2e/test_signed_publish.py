@@ -1,0 +1,100 @@
+"""A real PD prefill server with ``--eldr-signature-key-file`` and ``--eldr-publish-allow``:
+the flags reach the scheduler, every line it publishes carries the key's HMAC, and a
+return address outside the list is never connected to."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from eldr_sglang.core import wire
+from eldr_sglang.testing import local_cluster as lc
+from tests.helpers import LOG_DIR, progress, started
+
+pytestmark = pytest.mark.sglang
+KEY = b"e2e-signature-key"
+
+
+class Listener:
+    """A router's TCP signature port: keeps every raw line and counts connections."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.lines: list[bytes] = []
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            conn, _ = self.sock.accept()
+            self.connections += 1
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn: socket.socket) -> None:
+        for line in conn.makefile("rb"):
+            if line.strip():
+                self.lines.append(line)
+
+
+@pytest.fixture(scope="module")
+def signing_prefill(fixture_model, tmp_path_factory):
+    key_file = tmp_path_factory.mktemp("key") / "eldr.key"
+    key_file.write_bytes(KEY + b"\n")
+    extra = ["--eldr-layers", "0,1", "--eldr-publish", "request", "--eldr-publish-allow", "127.0.0.1/32",
+             "--eldr-signature-key-file", str(key_file)]
+    spec = lc.ServerSpec(str(fixture_model), role="prefill", extra_args=extra)
+    proc = lc.start_server_ready(spec, LOG_DIR, "signed-publish", progress=progress)
+    started.append(proc)
+    try:
+        yield proc, spec
+    finally:
+        proc.stop()
+
+
+def _post(url: str, body: dict) -> None:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=120).read()
+    except OSError:
+        pass  # no decode server ever takes the KV: the prefill answers an error later
+
+
+def test_published_lines_are_signed_and_unlisted_destinations_never_connected(signing_prefill):
+    proc, spec = signing_prefill
+    allowed, refused = Listener(), Listener()
+    rng = np.random.default_rng(0)
+    rids = []
+
+    def send(room: int, dest: str) -> None:
+        rid = f"signed-{room}"
+        rids.append(rid)
+        body = {"input_ids": rng.integers(100, 30000, 40).tolist(), "rid": rid,
+                "bootstrap_host": "127.0.0.1", "bootstrap_port": spec.bootstrap_port, "bootstrap_room": room,
+                "sampling_params": {"max_new_tokens": 2, "temperature": 0,
+                                    "custom_params": {wire.RETURN_ADDRESS_KEY: dest}}}
+        threading.Thread(target=_post, args=(proc.url + "/generate", body), daemon=True).start()
+
+    def wait_lines(n: int) -> None:
+        deadline = time.monotonic() + 120
+        while len(allowed.lines) < n:
+            assert time.monotonic() < deadline, f"{len(allowed.lines)} of {n} signature lines"
+            time.sleep(0.05)
+
+    send(21, f"tcp://127.0.0.1:{allowed.port}")
+    wait_lines(1)
+    send(22, f"tcp://localhost:{refused.port}")  # a name outside --eldr-publish-allow
+    send(23, f"tcp://127.0.0.1:{allowed.port}")
+    wait_lines(2)  # one publisher thread, in order: room 22 was handled before room 23
+    split = [wire.split_line(line) for line in allowed.lines]
+    assert all(wire.verify(KEY, data, mac) for mac, data in split)
+    assert [json.loads(data)["bootstrap_room"] for _, data in split] == [21, 23]
+    assert refused.connections == 0 and not refused.lines
+    for rid in rids:
+        _post(proc.url + "/abort_request", {"rid": rid})
