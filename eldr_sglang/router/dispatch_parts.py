@@ -62,7 +62,7 @@ class PrefillResult:
         return self.status == 200 and not self.error
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Flight:
     """One client request on its way: body, chosen prefill, the bytes sent upstream,
     the headers that go with them and the workers that got the request (the only
