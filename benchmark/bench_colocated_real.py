@@ -288,9 +288,23 @@ def run_one(name: str, router: lc.ManagedProcess, cluster: lc.PDCluster, trace_d
 
 
 # ------------------------------------------------------------------ report
+def busiest_batch(doc: dict) -> tuple[int, dict[str, list[float]]]:
+    """The batch size with the most steps every run saw; per path, per round, the change (%)
+    of distinct experts per step there against round robin of the same round."""
+    runs = doc["runs"]
+    common = set.intersection(*({int(s[0]) for s in r["steps"]} for r in runs))
+    b = max(common, key=lambda k: sum(int(s[0]) == k for r in runs for s in r["steps"]))
+    mean = {(r["router"], r["round"]): float(np.mean([s[1] for s in r["steps"] if int(s[0]) == b])) for r in runs}
+    out: dict[str, list[float]] = {}
+    for (name, rnd), m in sorted(mean.items(), key=lambda kv: kv[0][1]):
+        out.setdefault(name, []).append(100.0 * (m / mean[(BASE, rnd)] - 1.0))
+    return b, out
+
+
 def table(doc: dict) -> str:
     rows = []
     eb = doc["equal_batch"].get(f"vs_{BASE}", {})
+    b, at_b = busiest_batch(doc)
     for name in doc["paths"]:
         rs = [r for r in doc["runs"] if r["router"] == name]
 
@@ -299,10 +313,18 @@ def table(doc: dict) -> str:
             return f"{m:.0f} ± {sd:.0f}"
         rows.append([name, ms("median_tpot_ms"), ms("p99_tpot_ms"), ms("median_ttft_ms"), ms("p99_ttft_ms"),
                      f"{np.mean([r['distinct_experts_per_step'] for r in rs]):.1f}",
-                     f"{eb.get(name, float('nan')):+.1f}%", f"{np.mean([r['mean_batch'] for r in rs]):.2f}",
+                     f"{eb.get(name, float('nan')):+.1f}%", " / ".join(f"{x:+.1f}%" for x in at_b[name]),
+                     f"{np.mean([r['mean_batch'] for r in rs]):.2f}",
                      " / ".join(str(r["requests_per_server"]) for r in rs)])
+    waits = [(r["round"], r["signature_wait_ms"]) for r in doc["runs"] if r.get("signature_wait_ms")]
+    top = "above the 5000 ms top bucket"
+
+    def le(v: float) -> str:
+        return top if v == float("inf") else f"<= {v:g} ms"
+    note = "".join(f"\n\nlate path's signature wait, round {rnd + 1}: p50 {le(w['p50_le_ms'])}, "
+                   f"p99 {le(w['p99_le_ms'])} ({w['count']:.0f} requests; histogram buckets)" for rnd, w in waits)
     return markdown_table(["path", "TPOT p50 ms", "TPOT p99 ms", "TTFT p50 ms", "TTFT p99 ms", "distinct/step",
-                           f"at equal batch vs {BASE}", "mean batch", "requests per server (per round)"], rows)
+                           f"at equal batch vs {BASE}", f"at batch {b}, per round", "mean batch", "requests per server (per round)"], rows) + note
 
 
 def main(argv: list[str] | None = None) -> int:
