@@ -216,9 +216,12 @@ def report(result: dict) -> list[str]:
         rows.append([r["batch"], fmt_mean_sd(g["tpot_ms_per_round"]),
                      fmt_mean_sd(m["tpot_ms_per_round"]) if m["tpot_ms_per_round"] else "-", gain,
                      f"{g['distinct_per_step']:.0f}" if g["distinct_per_step"] else "-",
-                     f"{m['distinct_per_step']:.0f}" if m["distinct_per_step"] else "-"])
+                     f"{m['distinct_per_step']:.0f}" if m["distinct_per_step"] else "-",
+                     f"{g['forward_ms_per_step']:.0f}" if g["forward_ms_per_step"] else "-",
+                     f"{m['forward_ms_per_step']:.0f}" if m["forward_ms_per_step"] else "-"])
     lines.append(markdown_table(["B", "TPOT grouped (ms)", "TPOT mixed (ms)", "grouped gain (%)",
-                                 "distinct/step grouped", "distinct/step mixed"], rows))
+                                 "distinct/step grouped", "distinct/step mixed", "forward ms/step grouped",
+                                 "forward ms/step mixed"], rows))
     if fit:
         lines.append(f"step time fit ({fit['steps']} steps): {fit['intercept_ms']:.1f} ms + "
                      f"{fit['ms_per_sequence']:.2f} ms/sequence + {fit['ms_per_distinct_expert']:.3f} ms/distinct expert"
@@ -277,10 +280,12 @@ def main(argv: list[str] | None = None) -> int:
               "new_tokens": args.new_tokens, "cpus": args.cpus, "threads": args.threads,
               "labels": {lab: len(v) for lab, v in pools.items()},
               "per_batch": summarise(runs, args.batches), "step_time_fit": fit_details(runs), "runs": runs}
-    print("\n".join(report(result)))
     if args.json:
-        write_record(args.json, result, argv)
-        print(f"-> {args.json}")
+        rec = write_record(args.json, result, argv)
+        args.json.with_suffix(".md").write_text(f"Command: `flock /tmp/eldr-sglang.lock {rec['command']}`\n\n"
+                                                + "\n\n".join(report(result)) + "\n")
+        print(f"-> {args.json}, {args.json.with_suffix('.md')}")
+    print("\n".join(report(result)))
     return 0
 
 

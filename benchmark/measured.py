@@ -162,7 +162,27 @@ def long_decodes_section(results_dir: Path) -> list[str]:
             "[results/long_decodes.json](results/long_decodes.json).", "", body.replace("\n## ", "\n### ")]
 
 
+def fat_expert_section(results_dir: Path) -> list[str]:
+    """Measured on a real server (``bench_fat_expert.py``) and the simulation driven by its law."""
+    path = results_dir / "fat_expert.md"
+    if not path.is_file():
+        return []
+    lines = ["", "## MEASURED: TPOT on a real SGLang server whose decode is bound by expert weights", "",
+             "One real SGLang CPU server on the fat-expert model (the trained tiny MoE with every expert FFN "
+             "zero-padded to 4096: same function, 3 MiB of weights per expert per layer; "
+             "`tools/make_fat_expert_model.py`), batches of B concurrent requests all of one label (grouped) or of "
+             "mixed labels, rounds interleaved. CPU memory bandwidth stands in for HBM; it is not a GPU. "
+             "Testbed and caveats: [docs/MEASURED.md](../docs/MEASURED.md).", "", path.read_text().strip()]
+    sim = results_dir / "fat_expert_sim.md"
+    if sim.is_file():
+        lines += ["", "### SIMULATED: the headline under the step-time law measured above", "",
+                  "A simulated gain driven by a cost law measured on a real SGLang server.", "",
+                  sim.read_text().split("\n", 1)[1].strip()]
+    return lines
+
+
 def render(traces_root: Path, workloads: list[str], results_dir: Path) -> str:
     lines = (trace_section(traces_root, workloads) + specialisation_section() + real_cpu_section(results_dir)
+             + fat_expert_section(results_dir)
              + long_decodes_section(results_dir) + state_aware_section(results_dir) + online_section(results_dir))
     return ("\n".join(lines) + "\n") if lines else ""

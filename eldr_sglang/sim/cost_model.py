@@ -135,11 +135,29 @@ def _qwen3_235b_tp4ep4(name: str, peak_bw: float) -> CostParams:
     )
 
 
+#: ``real-cpu-server``: least squares of decode step time on (1, batch size, distinct experts
+#: summed over layers) over every step of one real SGLang CPU server on the fat-expert model
+#: (``benchmark/results/fat_expert.json``, ``step_time_fit``; rerun with
+#: ``flock /tmp/eldr-sglang.lock python benchmark/bench_fat_expert.py --repeats 4 --threads 1``).
+REAL_CPU_FIT = {"fixed_s": 15.4457e-3, "per_sequence_s": 2.45912e-3, "per_distinct_expert_s": 0.732446e-3}
+FAT_EXPERT_WIDTH = 4096  # tools/make_fat_expert_model.py --width
+
+
+def _real_cpu_server(name: str, fixed_s: float, per_sequence_s: float, per_distinct_expert_s: float) -> CostParams:
+    """The fat-expert testbed (tiny MoE: 4 layers, 128 experts, top-8, hidden 128, expert FFN
+    zero-padded to 4096, bf16) on one SGLang CPU server: a measured law, no context term."""
+    expert_bytes = 3 * 128 * FAT_EXPERT_WIDTH * BF16
+    return CostParams(name=name, num_moe_layers=4, num_experts=128, top_k=8, bytes_per_expert=float(expert_bytes),
+                      mem_bandwidth=expert_bytes / per_distinct_expert_s, fixed_s=fixed_s,
+                      attn_s_per_token=per_sequence_s, attn_s_per_ctx_token=0.0, dense_s=0.0)
+
+
 _MI300X = _qwen3_30b("qwen3-30b-a3b-mi300x", 5.3e12)
 PARAM_SETS: dict[str, CostParams] = {
     _MI300X.name: _MI300X,
     "qwen3-30b-a3b-h200": _qwen3_30b("qwen3-30b-a3b-h200", 4.8e12, _MI300X.moe_layer_fixed_s),
     "qwen3-235b-a22b-mi300x-tp4ep4": _qwen3_235b_tp4ep4("qwen3-235b-a22b-mi300x-tp4ep4", 5.3e12),
+    "real-cpu-server": _real_cpu_server("real-cpu-server", **REAL_CPU_FIT),
 }
 
 

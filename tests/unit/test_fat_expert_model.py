@@ -102,3 +102,17 @@ def test_cli_rejects_a_narrower_width(tmp_path: Path):
                            "--width", "16", "--out", str(tmp_path / "x")], capture_output=True, text=True)
     assert proc.returncode == 2
     assert "--width" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_real_cpu_cost_set_is_the_committed_measurement():
+    """The simulator's "real-cpu-server" law is the fit bench_fat_expert.py recorded."""
+    from eldr_sglang.sim.cost_model import REAL_CPU_FIT, get_params, step_time
+
+    fit = json.loads((ROOT / "benchmark" / "results" / "fat_expert.json").read_text())["step_time_fit"]
+    assert REAL_CPU_FIT["fixed_s"] == pytest.approx(fit["intercept_ms"] / 1e3, rel=1e-3)
+    assert REAL_CPU_FIT["per_sequence_s"] == pytest.approx(fit["ms_per_sequence"] / 1e3, rel=1e-3)
+    assert REAL_CPU_FIT["per_distinct_expert_s"] == pytest.approx(fit["ms_per_distinct_expert"] / 1e3, rel=1e-3)
+    p = get_params("real-cpu-server")
+    u = [30.0, 40.0, 50.0, 60.0]  # distinct experts per layer
+    want = fit["intercept_ms"] + 8 * fit["ms_per_sequence"] + sum(u) * fit["ms_per_distinct_expert"]
+    assert 1e3 * step_time(p, 8, 4000, u) == pytest.approx(want, rel=1e-3)
