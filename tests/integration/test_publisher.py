@@ -13,7 +13,7 @@ import pytest
 from eldr_sglang.core.counts_codec import pack_counts
 from eldr_sglang.patches.publish import SignaturePublisher
 from eldr_sglang.router.signatures import parse_message
-from tests.integration.helpers import wait_until
+from tests.integration.helpers import until, wait_until
 
 
 class Receiver(ThreadingHTTPServer):
@@ -115,16 +115,10 @@ async def test_tcp_stream_to_the_real_router_and_reconnect_after_it_closes():
         assert pub.connections == 1 and len(router.intake.streams) == 1
         for w in list(router.intake.streams):  # the router drops the connection
             w.close()
-        for _ in range(500):  # until the router has let go of it
-            if not router.intake.streams:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: not router.intake.streams, 10, "the router to let go of the stream")
         pub.submit(message(14), router.return_address)
         await arrived([14])
-        for _ in range(500):  # the publisher thread counts a message after its send returns
-            if pub.sent == 4:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: pub.sent == 4, 10, "the publisher thread to count its 4th send")  # after send returns
         assert pub.connections == 2 and pub.dropped == 0 and pub.sent == 4
     finally:
         await runner.cleanup()

@@ -387,19 +387,14 @@ async def test_signatures_over_the_tcp_stream_route_like_http_ones(caplog):
                     + orjson.dumps({"bootstrap_room": 6, "layers": [0, 1],
                                     "counts": [[1] * 8, [2] * 8]}) + b"\n")
             await w.drain()
-            for _ in range(100):
-                if 6 in router.board.buffer:
-                    break
-                await asyncio.sleep(0.02)
+            await until(lambda: 6 in router.board.buffer, 10, "room 6 on the board")
             assert 6 in router.board.buffer and 5 not in router.board.buffer
             assert router.metrics.value("signature_messages", outcome="invalid") == 2
             # a line over the body limit closes that connection (and only that one)
             w.write(b"[" + b"1," * 2000 + b"1]\n")
             await w.drain()
-            for _ in range(100):
-                if router.metrics.value("signature_messages", outcome="invalid") == 3:
-                    break
-                await asyncio.sleep(0.02)
+            await until(lambda: router.metrics.value("signature_messages", outcome="invalid") == 3, 10,
+                        "the third invalid line")
             assert router.metrics.value("signature_messages", outcome="invalid") == 3
             w.close()
             st, raw = await post(http, f"{url}/generate", {"text": "topic:2 again"})

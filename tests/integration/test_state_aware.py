@@ -99,7 +99,7 @@ def test_simulator_runs_it_and_it_groups_experts(tmp_path):
 async def test_router_routes_by_live_batches_without_an_artifact():
     from eldr_sglang.router.app import Router, start_router
     from eldr_sglang.testing.stub_worker import StubWorker
-    from tests.integration.helpers import BOOT_PORT, post
+    from tests.integration.helpers import BOOT_PORT, post, until
 
     prefill = StubWorker("prefill", name="p0")
     decodes = [StubWorker("decode", name=f"d{i}", hang=True) for i in range(3)]
@@ -115,13 +115,11 @@ async def test_router_routes_by_live_batches_without_an_artifact():
         held = []
         for topic in (0, 1, 2):  # idle servers: one each
             held.append(asyncio.ensure_future(post(http, f"{url}/generate", {"text": f"topic:{topic} a b"})))
-            while sum(len(d.requests) for d in decodes) < len(held):
-                await asyncio.sleep(0.01)
+            await until(lambda: sum(len(d.requests) for d in decodes) >= len(held), 10, "the request on a server")
         assert [len(d.requests) for d in decodes] == [1, 1, 1]
         where = {d.requests[0]["text"].split()[0]: i for i, d in enumerate(decodes)}
         held.append(asyncio.ensure_future(post(http, f"{url}/generate", {"text": "topic:1 c d"})))
-        while sum(len(d.requests) for d in decodes) < 4:
-            await asyncio.sleep(0.01)
+        await until(lambda: sum(len(d.requests) for d in decodes) >= 4, 10, "the fourth request on a server")
         assert len(decodes[where["topic:1"]].requests) == 2  # joined the batch using its experts
         assert router.metrics.value("fallbacks") == 0
         live = router.policy.describe()["live"]
@@ -132,8 +130,7 @@ async def test_router_routes_by_live_batches_without_an_artifact():
             await http.post(f"{durls[0]}/abort_request", data=orjson.dumps({"rid": rid}))
         for h in held:
             h.cancel()
-        while sum(router.policy.describe()["live"]):
-            await asyncio.sleep(0.02)
+        await until(lambda: not sum(router.policy.describe()["live"]), 10, "every live request released")
     finally:
         await http.close()
         await runner.cleanup()
