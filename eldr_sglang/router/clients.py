@@ -77,3 +77,28 @@ def as_openai_error(resp: web.Response) -> web.Response:
     body["error"] = err
     resp.body = orjson.dumps(body)
     return resp
+
+
+async def with_client_conventions(request: web.Request, guarded, *, keyed_paths, guards,
+                                  request_ids: "RequestIds", api_key: Optional[str],
+                                  unauthorized_counter) -> web.StreamResponse:
+    """The client conventions around ``guarded(request)``: API key, request id (echoed),
+    OpenAI-shaped errors on ``/v1/*``; the header time limit stops once a request starts."""
+    guards.started(request)
+    try:
+        path = request.path
+        if path not in keyed_paths and not path.startswith("/v1/"):
+            return await guarded(request)
+        rid = request[REQUEST_ID_KEY] = request_ids.of(request)
+        if api_key and not bearer_matches(request, api_key):
+            unauthorized_counter.inc()
+            resp = unauthorized()
+        else:
+            resp = await guarded(request)
+        if not resp.prepared:  # a stream sets the header itself before its first byte
+            resp.headers[rid[0]] = rid[1]
+            if path.startswith("/v1/") and resp.status >= 400 and isinstance(resp, web.Response):
+                resp = as_openai_error(resp)
+        return resp
+    finally:
+        guards.ended(request)

@@ -42,7 +42,7 @@ from eldr_sglang.router import upstream
 from eldr_sglang.router.admin import AdminGate
 from eldr_sglang.router.bodies import BodyError, read_body
 from eldr_sglang.router.client_guard import ClientGuards
-from eldr_sglang.router.clients import REQUEST_ID_KEY, RequestIds, as_openai_error, bearer_matches, unauthorized
+from eldr_sglang.router.clients import REQUEST_ID_KEY, RequestIds, with_client_conventions, as_openai_error, bearer_matches, unauthorized
 from eldr_sglang.router.config import WORKER_KEEPALIVE_S, RouterConfig
 from eldr_sglang.router.http_conventions import install as install_conventions
 from eldr_sglang.router.metrics import RouterMetrics
@@ -323,24 +323,10 @@ class ColocatedRouter:
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
         """The PD router's client conventions around :meth:`_guarded`: API key, request id
         (echoed), OpenAI-shaped errors on ``/v1/*``; the header limit stops once a request starts."""
-        self.guards.started(request)
-        try:
-            path = request.path
-            if path not in KEYED_PATHS and not path.startswith("/v1/"):
-                return await self._guarded(request, handler)
-            rid = request[REQUEST_ID_KEY] = self.request_ids.of(request)
-            if self.api_key and not bearer_matches(request, self.api_key):
-                self.metrics.errors.labels("unauthorized").inc()
-                resp = unauthorized()
-            else:
-                resp = await self._guarded(request, handler)
-            if not resp.prepared:  # a stream set the header itself before its first byte
-                resp.headers[rid[0]] = rid[1]
-                if path.startswith("/v1/") and resp.status >= 400 and isinstance(resp, web.Response):
-                    resp = as_openai_error(resp)
-            return resp
-        finally:
-            self.guards.ended(request)
+        return await with_client_conventions(
+            request, lambda req: self._guarded(req, handler), keyed_paths=KEYED_PATHS,
+            guards=self.guards, request_ids=self.request_ids, api_key=self.api_key,
+            unauthorized_counter=self.metrics.errors.labels("unauthorized"))
 
     async def _guarded(self, request: web.Request, handler) -> web.StreamResponse:
         if self.draining and request.path in WORK:
