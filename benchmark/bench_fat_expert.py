@@ -35,22 +35,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmark"))
 sys.path.insert(0, str(ROOT / "tools"))
 from bench_real_cpu import step_records, step_time_fit  # noqa: E402
-from common import fmt_mean_sd, markdown_table, write_record  # noqa: E402
+from common import fmt_mean_sd, markdown_table, positive_int_list, write_record  # noqa: E402
 import make_fat_expert_model as fat  # noqa: E402
 from eldr_sglang.testing import local_cluster as lc  # noqa: E402
 
 DEFAULT_WORKLOAD = ROOT / "benchmark" / "workloads" / "demo.jsonl"
 KINDS = ("grouped", "mixed")
 
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fat-expert model (default: built from models/eldr-tiny-moe at --width if missing)")
     p.add_argument("--width", type=int, default=fat.DEFAULT_WIDTH, help="expert FFN width of the default model")
     p.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD, help="labelled prompts (our jsonl format)")
-    p.add_argument("--batches", type=_int_list, default=[1, 2, 4, 8, 16], help="batch sizes B")
+    p.add_argument("--batches", type=positive_int_list, default=[1, 2, 4, 8, 16], help="batch sizes B")
     p.add_argument("--repeats", type=int, default=3, help="rounds; each runs every (B, kind) once, rotated")
     p.add_argument("--prompt-tokens", type=int, default=48, help="every prompt cut to this many tokens")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request")

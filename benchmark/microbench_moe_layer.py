@@ -20,17 +20,8 @@ import sys
 import time
 from typing import Sequence
 
-from common import parse_with_quick, write_record
+from common import parse_with_quick, positive_int_list, write_record
 
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,8 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ffn", type=int, default=768, help="expert FFN width (Qwen3-30B-A3B: 768)")
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--batches", type=_int_list, default=[32, 128], help="batch sizes (tokens per step)")
-    ap.add_argument("--unique", type=_int_list, default=[8, 16, 32, 64, 96, 128], help="distinct experts to hit")
+    ap.add_argument("--batches", type=positive_int_list, default=[32, 128], help="batch sizes (tokens per step)")
+    ap.add_argument("--unique", type=positive_int_list, default=[8, 16, 32, 64, 96, 128], help="distinct experts to hit")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
