@@ -34,6 +34,7 @@ from pathlib import Path
 import aiohttp
 
 from common import free_port, write_record
+from eldr_sglang.testing.local_cluster import sglang_router_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmark" / "results" / "burst.json"
@@ -74,16 +75,13 @@ def start_stub(role: str, log, backlog: int) -> tuple[subprocess.Popen, str]:
 
 def router_command(name: str, port: int, prefill: str, decodes: list[str],
                    eldr_args: str = "") -> list[str]:
-    if name == "eldr":
-        cmd = [sys.executable, "-m", "eldr_sglang.router", "--policy", "round_robin",
-               "--log-level", "warning", "--health-interval", "0", *eldr_args.split()]
-    else:
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-               "--policy", "round_robin", "--log-level", "warn"]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--prefill", prefill, "8998"]
-    for d in decodes:
-        cmd += ["--decode", d]
-    return cmd
+    workers = ["--prefill", prefill, "8998", *[a for d in decodes for a in ("--decode", d)]]
+    if name != "eldr":
+        return sglang_router_argv(port, "--pd-disaggregation", "--policy", "round_robin",
+                                  "--log-level", "warn", *workers)
+    return [sys.executable, "-m", "eldr_sglang.router", "--policy", "round_robin",
+            "--log-level", "warning", "--health-interval", "0", *eldr_args.split(),
+            "--host", "127.0.0.1", "--port", str(port), *workers]
 
 
 async def wait_stub(url: str, timeout: float = 60.0) -> None:

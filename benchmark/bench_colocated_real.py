@@ -216,8 +216,8 @@ def eldr_colocated(cluster: lc.PDCluster, logs: Path, policy: str | None, artifa
 
 def sglang_cache_aware(cluster: lc.PDCluster, logs: Path) -> lc.ManagedProcess:
     port = free_port()
-    argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-            "--policy", "cache_aware", "--worker-urls", *[p.url for p, _ in cluster.decodes]]
+    argv = lc.sglang_router_argv(port, "--policy", "cache_aware",
+                                 "--worker-urls", *[p.url for p, _ in cluster.decodes])
     return lc.ManagedProcess("sglang-router-cache_aware", argv, logs / "sglang-router-cache_aware.log",
                              f"http://127.0.0.1:{port}").start()
 

@@ -59,6 +59,7 @@ from typing import Any, Optional
 
 from common import free_port, parse_with_quick, quick_out, write_record
 from eldr_sglang.router.metrics import histogram_quantiles
+from eldr_sglang.testing.local_cluster import sglang_router_argv
 from eldr_sglang.testing.toy_artifact import save_toy_artifact
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -221,9 +222,8 @@ def stub_cmd(role: str, port: int, name: str) -> list[str]:
 
 def router_cmd(name: str, port: int, prefill: str, decodes: list[str], artifact: str) -> list[str]:
     if name == "sglang-router":
-        cmd = [PY, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-               "--prefill", prefill, BOOTSTRAP_PORT, "--policy", "round_robin",
-               "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn"]
+        cmd = sglang_router_argv(port, "--pd-disaggregation", "--prefill", prefill, BOOTSTRAP_PORT,
+                                 "--policy", "round_robin", "--log-level", "warn")
     else:
         cmd = [PY, "-m", "eldr_sglang.router", "--prefill", prefill, BOOTSTRAP_PORT,
                "--policy", "round_robin" if name == "eldr-rr" else "eldr",

@@ -11,7 +11,6 @@ import json
 import os
 import platform
 import shlex
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from eldr_sglang.testing.local_cluster import free_port  # noqa: F401  (re-exported for the scripts)
 
 #: This folder and the repository root.
 HERE = Path(__file__).resolve().parent
@@ -137,14 +138,6 @@ def seconds_per_call(fn: Callable[[], Any], repeat: int) -> float:
     for _ in range(repeat):
         fn()
     return (time.perf_counter() - t0) / repeat
-
-
-# ------------------------------------------------------------------ ports
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def positive_int_list(text: str) -> list[int]:

@@ -37,9 +37,21 @@ CPU_SIGNATURE_TIMEOUT = 60.0  # seconds: CPU prefills queue for seconds under th
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def sglang_router_argv(port: int, *args: str) -> list[str]:
+    """``python -m sglang_router.launch_router`` on 127.0.0.1:``port`` followed by ``args``.
+
+    Its Prometheus exporter gets a free loopback port of its own: left at the default
+    (0.0.0.0:29000) a second sglang-router on the machine, or anything else holding
+    29000, makes it exit with status 1 at start."""
+    return [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+            "--port", str(port), "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(free_port()), *args]
 
 
 @functools.lru_cache(maxsize=None)
@@ -288,8 +300,7 @@ def start_sglang_router(
 ) -> ManagedProcess:
     """sglang-router (the Rust PD gateway) in front of ``cluster``."""
     port = port or free_port()
-    argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-            "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
+    argv = sglang_router_argv(port, "--pd-disaggregation", "--policy", policy)
     for proc, spec in cluster.prefills:
         argv += ["--prefill", proc.url, str(spec.bootstrap_port)]
     for proc, _ in cluster.decodes:
