@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -36,13 +37,13 @@ import numpy as np
 
 from common import command_line, parse_with_quick, write_record
 from measured import real_cpu_table
-from eldr_sglang.core.policies import policy_spec
+from eldr_sglang.core.policies import policy_names, policy_spec
 from eldr_sglang.demo import DEFAULT_MODEL, DEFAULT_WORKLOAD, calibration_artifact, decode_counters
 from eldr_sglang.testing import local_cluster as lc
 
 ROOT = Path(__file__).resolve().parents[1]
 
-POLICIES = ["round_robin", "random", "jsq", "p2c", "eldr", "state_aware"]
+POLICIES = policy_names()
 FIGURES = ("completed", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "output_throughput")
 SGLANG_ROUTER = "sglang-router/round_robin"
 
@@ -60,6 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=24, help="tokens per request (bench_serving --sharegpt-output-len)")
     p.add_argument("--request-rate", type=float, default=4.0)
     p.add_argument("--max-concurrency", type=int, default=16)
+    p.add_argument("--threads", type=int, default=None,
+                   help="every server's torch threads (OMP_NUM_THREADS; 1 on the fat-expert model, docs/MEASURED.md)")
+    p.add_argument("--prefill-cpus", default="", help="pin the prefill server to these cores (taskset -c list)")
+    p.add_argument("--decode-cpus", nargs="+", default=[],
+                   help="pin decode server i to the i-th list (cycled), e.g. --decode-cpus 0 1")
     p.add_argument("--out", type=Path, default=Path(".cache/bench-real"))
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parse_with_quick(p, argv)
@@ -69,7 +75,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--dataset: {args.dataset} not found")
     if args.decodes < 2 or args.num_prompts < 1 or args.output_len < 4 or args.repeats < 1:
         p.error("--decodes must be >= 2, --num-prompts and --repeats >= 1, --output-len >= 4")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    ncpu = os.cpu_count() or 1
+    for name, cpus in [("--prefill-cpus", args.prefill_cpus), *(("--decode-cpus", c) for c in args.decode_cpus)]:
+        if cpus and not cpu_list_ok(cpus, ncpu):
+            p.error(f"{name}: {cpus!r} is not a list of cores 0-{ncpu - 1} (taskset -c syntax: 0,2-3)")
     return args
+
+
+def cpu_list_ok(text: str, ncpu: int) -> bool:
+    """``text`` is a taskset -c core list ("0", "0,2-3") naming cores below ``ncpu``."""
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            a, b = int(lo), int(hi or lo)
+            if not 0 <= a <= b < ncpu:
+                return False
+    except ValueError:
+        return False
+    return True
 
 
 def bench_serving(url: str, args: argparse.Namespace, out: Path) -> dict:
@@ -177,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.quick:  # real SGLang servers: the smoke run checks the arguments and the plan only
         paths = [f"eldr-router/{p}" for p in args.policies] + ([] if args.no_sglang_router else ["sglang-router"])
-        print(f"plan: 1 prefill + {args.decodes} decode SGLang CPU servers of {args.model}; {args.repeats} rounds "
+        pins = f"; decode cores {' | '.join(args.decode_cpus)}" if args.decode_cpus else ""
+        print(f"plan: 1 prefill + {args.decodes} decode SGLang CPU servers of {args.model}{pins}; {args.repeats} rounds "
               f"of {', '.join(paths)}, {args.num_prompts} prompts from {args.dataset} at {args.request_rate:g} req/s")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
@@ -193,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         str(args.model), logs, n_prefill=1, n_decode=args.decodes, eldr_metrics=True,
         prefill_args=["--eldr-calibration", str(artifact),
                       "--eldr-publish", f"http://127.0.0.1:{router_port}/eldr/signature"],
-        decode_args=["--eldr-trace-dir", str(trace_dir)])
+        decode_args=["--eldr-trace-dir", str(trace_dir)],
+        env={"OMP_NUM_THREADS": str(args.threads)} if args.threads else None,
+        prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus)
     paths = [(f"eldr-router/{p}", lambda p=p: lc.start_eldr_router(
         cluster, logs, policy=p, port=router_port, artifact=artifact if policy_spec(p).needs_artifact else None))
         for p in args.policies]
@@ -216,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": command_line(__file__, argv),
               "measured": "real SGLang CPU servers (2-core machine); CPU TPOT does not stand for GPU TPOT",
               "decodes": args.decodes, "num_prompts": args.num_prompts, "output_len": args.output_len,
+              "model": str(args.model), "threads": args.threads, "prefill_cpus": args.prefill_cpus,
+              "decode_cpus": args.decode_cpus,
               "request_rate": args.request_rate, "repeats": args.repeats,
               "dataset": str(args.dataset.relative_to(ROOT) if args.dataset.is_relative_to(ROOT) else args.dataset),
               "artifact": str(artifact), "summary": summarise(rows), "equal_batch_base": base,

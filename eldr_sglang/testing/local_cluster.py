@@ -169,9 +169,10 @@ class ServerSpec:
     max_total_tokens: int = CPU_MAX_TOTAL_TOKENS
     extra_args: Sequence[str] = ()
     env: dict[str, str] = field(default_factory=dict)
+    cpus: str = ""  # pin the server to these cores (taskset -c list; "" = not pinned)
 
     def argv(self, host: str = "127.0.0.1") -> list[str]:
-        args = [
+        args = (["taskset", "-c", self.cpus] if self.cpus else []) + [
             sys.executable, "-m", "sglang.launch_server",
             "--model-path", self.model_path,
             "--host", host, "--port", str(self.port),
@@ -277,16 +278,23 @@ def start_pd_cluster(
     env: dict[str, str] | None = None,
     progress: Callable[[str, float], None] | None = None,
     timeout: float = 420.0,
+    prefill_cpus: str = "",
+    decode_cpus: Sequence[str] = (),
 ) -> PDCluster:
     """Start the servers one after another (each waits until ready: on two
-    cores concurrent start-ups only contend); stop all on any failure."""
+    cores concurrent start-ups only contend); stop all on any failure.
+
+    ``decode_cpus``: decode server i is pinned to ``decode_cpus[i % len]`` (taskset -c
+    lists, e.g. ``["0", "1"]``); ``prefill_cpus`` pins every prefill server."""
     cluster = PDCluster([], [])
-    roles = [("prefill", i, prefill_args) for i in range(n_prefill)]
-    roles += [("decode", i, decode_args) for i in range(n_decode)]
+    roles = [("prefill", i, prefill_args, prefill_cpus) for i in range(n_prefill)]
+    roles += [("decode", i, decode_args, decode_cpus[i % len(decode_cpus)] if decode_cpus else "")
+              for i in range(n_decode)]
     try:
-        for role, i, extra in roles:
+        for role, i, extra, cpus in roles:
             spec = ServerSpec(model_path, role, late_binding=late_binding, extra_args=extra,
-                              eldr_metrics_port=free_port() if eldr_metrics else 0, env=dict(env or {}))
+                              eldr_metrics_port=free_port() if eldr_metrics else 0, env=dict(env or {}),
+                              cpus=cpus)
             proc = start_server_ready(spec, log_dir, f"{role}-{i}", timeout, progress)
             (cluster.prefills if role == "prefill" else cluster.decodes).append((proc, spec))
     except BaseException:

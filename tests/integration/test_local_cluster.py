@@ -60,3 +60,21 @@ def test_other_start_failures_are_not_retried(tmp_path, fake_sglang):
     with pytest.raises(RuntimeError, match="exited with code 1 before it was ready"):
         lc.start_server_ready(spec, tmp_path, "fake", timeout=30)
     assert len(calls) == 1
+
+
+def test_pinned_server_runs_under_taskset_and_unpinned_does_not():
+    pinned = lc.ServerSpec("m", "decode", port=1, nccl_port=2, cpus="0").argv()
+    assert pinned[:3] == ["taskset", "-c", "0"] and pinned[3:6] == [sys.executable, "-m", "sglang.launch_server"]
+    assert lc.ServerSpec("m", "decode", port=1, nccl_port=2).argv()[0] == sys.executable
+
+
+def test_decode_cpus_cycle_over_the_decode_servers(monkeypatch, tmp_path):
+    started = []
+
+    def fake_ready(spec, log_dir, name, timeout, progress):
+        started.append((name, spec.cpus))
+        return object()
+
+    monkeypatch.setattr(lc, "start_server_ready", fake_ready)
+    lc.start_pd_cluster("m", tmp_path, n_prefill=1, n_decode=3, prefill_cpus="0-1", decode_cpus=["0", "1"])
+    assert started == [("prefill-0", "0-1"), ("decode-0", "0"), ("decode-1", "1"), ("decode-2", "0")]

@@ -62,3 +62,15 @@ def test_specialisation_section_lists_each_model_per_layer(tmp_path):
     assert "| a | 2 | language | 0.500 | 0.500 | 0.250 |" in text and "| b | 3 | domain |" in text
     assert "| b | language | 0.10 / 0.10 | 0.10 / 0.10 | 0.10 / 0.10 |" in text
     assert "| L0 | L1 | L2 |" in text
+
+
+def test_real_cpu_core_lists_are_checked_before_anything_starts(capsys):
+    import pytest
+
+    bench = load_script("benchmark/bench_real_cpu.py", "eldr_bench_real_cpu")
+    assert bench.cpu_list_ok("0", 2) and bench.cpu_list_ok("0-1", 2) and bench.cpu_list_ok("1,0", 2)
+    for bad in ("2", "1-0", "a", "", "0,,1", "-1"):
+        assert not bench.cpu_list_ok(bad, 2), bad
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--decode-cpus", "0", "99"])
+    assert "--decode-cpus: '99'" in capsys.readouterr().err
