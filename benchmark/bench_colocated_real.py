@@ -52,15 +52,14 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules
-from bench_real_cpu import bench_serving, equal_batch, summarise  # noqa: E402
-from common import RESULTS, ROOT, free_port, markdown_table, mean_sd, write_record  # noqa: E402
+from bench_real_cpu import bench_serving, equal_batch, summarise
+from common import ROOT, free_port, markdown_table, mean_sd, parse_with_quick, write_record
 
-from eldr_sglang.core.artifact import FORMAT_VERSION, load_artifact  # noqa: E402
-from eldr_sglang.core.predictor import SignaturePredictor  # noqa: E402
-from eldr_sglang.prompts import load_tokenizer  # noqa: E402
-from eldr_sglang.router.metrics import histogram_quantiles  # noqa: E402
-from eldr_sglang.testing import local_cluster as lc  # noqa: E402
+from eldr_sglang.core.artifact import FORMAT_VERSION, load_artifact
+from eldr_sglang.core.predictor import SignaturePredictor
+from eldr_sglang.prompts import load_tokenizer
+from eldr_sglang.router.metrics import histogram_quantiles
+from eldr_sglang.testing import local_cluster as lc
 
 DEFAULT_MODEL = ROOT / "models" / "eldr-tiny-moe"
 DEFAULT_WORKLOAD = ROOT / "benchmark" / "workloads" / "demo.jsonl"
@@ -87,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="the document split")
     p.add_argument("--out", type=Path, default=ROOT / ".cache" / "bench-colocated")
     p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args(argv)
+    args = parse_with_quick(p, argv)
     if not (args.model / "config.json").is_file():
         p.error(f"--model: no Hugging Face model at {args.model}")
     bench = args.workload.with_suffix(".bench.jsonl")
@@ -327,6 +326,30 @@ def table(doc: dict) -> str:
                            f"at equal batch vs {BASE}", f"at batch {b}, per round", "mean batch", "requests per server (per round)"], rows) + note
 
 
+def plan(args: argparse.Namespace, fit: list[dict], stream: list[dict]) -> str:
+    """What a run of ``args`` starts and sends, for ``--quick``."""
+    n = args.servers
+    if args.setup == "colocated":
+        servers = f"{n} plain SGLang CPU servers of {args.model} (plugin in trace mode)"
+        artifact = (f"artifact {args.artifact}, no calibration pass" if args.artifact else
+                    f"calibration pass on server 0 ({len(fit)} fit prompts and their continuations, "
+                    f"{len(stream)} held-out prompts), ridge predictor (alpha {args.alpha:g})")
+        routers = {"eldr": "eldr-router --mode colocated" + (f" --policy {args.policy}" if args.policy else ""),
+                   "round_robin": "eldr-router --mode colocated --policy round_robin",
+                   "cache_aware": "sglang_router.launch_router --policy cache_aware"}
+    else:
+        servers = f"1 prefill + {n} decode SGLang CPU servers of {args.model} (Mooncake over TCP)"
+        artifact = f"artifact {args.artifact}"
+        pol = args.policy or "eldr_balanced"
+        routers = {"eldr-early": f"eldr-router --policy {pol} --binding early",
+                   "eldr-late": f"eldr-router --policy {pol} (late binding)",
+                   "round_robin": "eldr-router --policy round_robin"}
+    paths = "; ".join(f"{p}: {routers[p]}" for p in args.paths)
+    return (f"plan: {servers}; {artifact}; {args.repeats} rounds of {paths} (order rotated per round), each "
+            f"`sglang.bench_serving --dataset-name custom` over {len(stream)} prompts at {args.request_rate:g} req/s, "
+            f"{args.output_len} output tokens")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--render"]:  # --render JSON: the table of a recorded run
@@ -336,10 +359,13 @@ def main(argv: list[str] | None = None) -> int:
         print(table(json.loads(Path(argv[1]).read_text())))
         return 0
     args = parse_args(argv)
+    fit, stream = split_workload(args.workload, args.seed)
+    if args.quick:  # real SGLang servers: the smoke run checks the arguments and the plan only
+        print(plan(args, fit, stream))
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     logs = args.out / "logs"
     tok = load_tokenizer(args.model)
-    fit, stream = split_workload(args.workload, args.seed)
     dataset = args.out / "stream.bench.jsonl"
     dataset.write_text("".join(json.dumps(r["bench"], ensure_ascii=False) + "\n" for r in stream))
     bench_args = argparse.Namespace(model=args.model, dataset=dataset, num_prompts=len(stream),

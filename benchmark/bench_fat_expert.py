@@ -32,16 +32,14 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmark"))
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tools"))  # tools/ is neither a package nor on sys.path
 from bench_real_cpu import step_records, step_time_fit  # noqa: E402
-from common import fmt_mean_sd, markdown_table, positive_int_list, write_record  # noqa: E402
+from common import fmt_mean_sd, markdown_table, parse_with_quick, positive_int_list, write_record  # noqa: E402
 import make_fat_expert_model as fat  # noqa: E402
 from eldr_sglang.testing import local_cluster as lc  # noqa: E402
 
 DEFAULT_WORKLOAD = ROOT / "benchmark" / "workloads" / "demo.jsonl"
 KINDS = ("grouped", "mixed")
-
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="the server's torch threads (OMP_NUM_THREADS)")
     p.add_argument("--out", type=Path, default=Path(".cache/bench-fat"))
     p.add_argument("--json", type=Path, default=None, help="write the results here")
-    args = p.parse_args(argv)
+    args = parse_with_quick(p, argv)
     if args.repeats < 1 or args.prompt_tokens < 1 or args.new_tokens < 4:
         p.error("--repeats and --prompt-tokens must be >= 1, --new-tokens >= 4")
     if not args.workload.is_file():
@@ -80,6 +78,11 @@ def label_pools(workload: Path, tokenizer_dir: Path, prompt_tokens: int) -> dict
         if len(ids) >= prompt_tokens:
             pools[f"{r['labels']['domain']}/{r['labels']['language']}"].append(ids[:prompt_tokens])
     return dict(sorted(pools.items(), key=lambda kv: (-len(kv[1]), kv[0])))
+
+
+def run_plan(batches: list[int]) -> list[tuple[int, str]]:
+    """The (B, kind) runs of one round: B = 1 is grouped only (one request has one label)."""
+    return [(b, k) for b in batches for k in (KINDS if b > 1 else ("grouped",))]
 
 
 def batch_prompts(pools: dict[str, list[list[int]]], kind: str, size: int, rnd: int) -> tuple[list[list[int]], list[str]]:
@@ -225,9 +228,17 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model
     if model is None:
         model = fat.default_out(ROOT / "models" / "eldr-tiny-moe", args.width)
-        if not (model / fat.WEIGHTS).is_file():
-            print(f"building {model} ...", flush=True)
-            fat.build(ROOT / "models" / "eldr-tiny-moe", model, args.width)
+    plan = run_plan(args.batches)
+    if args.quick:  # a real SGLang server: the smoke run checks the arguments and the plan only
+        built = "" if args.model is not None or (model / fat.WEIGHTS).is_file() else f" (built at width {args.width} first)"
+        pin = f" on cores {args.cpus}" if args.cpus else ""
+        print(f"plan: 1 SGLang CPU server{pin} on {model}{built}; a warm-up batch, then {args.repeats} rounds of "
+              f"{', '.join(f'B={b} {k}' for b, k in plan)} (order rotated per round), {args.prompt_tokens}-token "
+              f"prompts from {args.workload}, {args.new_tokens} new tokens each")
+        return 0
+    if args.model is None and not (model / fat.WEIGHTS).is_file():
+        print(f"building {model} ...", flush=True)
+        fat.build(ROOT / "models" / "eldr-tiny-moe", model, args.width)
     config = json.loads((model / "config.json").read_text())
     pools = label_pools(args.workload, model, args.prompt_tokens)
     trace_dir, logs = args.out / "steps", args.out / "logs"
@@ -237,7 +248,6 @@ def main(argv: list[str] | None = None) -> int:
     metrics_port = lc.free_port()
     print(f"starting an SGLang CPU server on {model} ...", flush=True)
     server = start_server(model, logs, trace_dir, metrics_port, args.cpus, args.threads)
-    plan = [(b, k) for b in args.batches for k in (KINDS if b > 1 else ("grouped",))]
     runs: list[dict] = []
     try:
         asyncio.run(run_batch(server.url, batch_prompts(pools, "mixed", max(args.batches), 0)[0], 8))  # warm-up

@@ -1,6 +1,7 @@
 """The headline comparison under a cost law measured on a real SGLang server. SIMULATED.
 
     .venv/bin/python benchmark/bench_fat_expert_sim.py --seeds 3 --json benchmark/results/fat_expert_sim.json
+    .venv/bin/python benchmark/bench_fat_expert_sim.py --quick   # smoke run (seconds; outputs under .cache/)
 
 The simulator (8 prefill + 16 decode servers, measured traces of the tiny trained MoE,
 lengths 600 / 300 as ``report.py``) runs round robin, JSQ, ``eldr`` and the default
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import fmt_mean_sd, markdown_table, write_record
+from common import fmt_mean_sd, markdown_table, parse_with_quick, quick_out, write_record
 from bench_default_policy import candidate_policy
 from eldr_sglang.core.policies import make_policy
 from eldr_sglang.sim import experiments
@@ -56,7 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--measure-s", type=float, default=30.0, help="paper-set time window (scaled for the CPU law)")
     ap.add_argument("--workloads", default="task,language")
     ap.add_argument("--json", type=Path, default=None)
-    a = ap.parse_args(argv)
+    a = parse_with_quick(ap, argv, seeds=1, rates="40", decodes=4, warmup_s=1.0, measure_s=2.0, workloads="task",
+                         json=quick_out("fat_expert_sim") / "fat_expert_sim.json")
     try:
         a.rate_list = [float(x) for x in a.rates.split(",") if x.strip()]
     except ValueError:
@@ -72,12 +74,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run(a: argparse.Namespace) -> list[dict]:
-    work = HERE.parent / ".cache" / "bench-fat-expert-sim"
+    sweep = experiments.QUICK if a.quick else experiments.FULL
+    work = quick_out("fat_expert_sim") / "work" if a.quick else HERE.parent / ".cache" / "bench-fat-expert-sim"
     rows = []
     for wl in a.workload_list:
-        data = experiments.load_workload(wl, HERE / "traces", work, experiments.FULL, 600.0, 300.0)
+        data = experiments.load_workload(wl, HERE / "traces", work, sweep, 600.0, 300.0)
         for seed in range(a.seeds):
-            routing = experiments.prepare_routing(data, a.decodes, work, experiments.FULL, seed=seed)
+            routing = experiments.prepare_routing(data, a.decodes, work, sweep, seed=seed)
             for cost in COSTS:
                 scale = time_scale(cost)
                 for rate in a.rate_list:

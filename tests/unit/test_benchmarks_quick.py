@@ -26,9 +26,12 @@ PROMPT_TRACES = ROOT / ".cache" / "prompt-traces" / "task" / "calib" / "prompts.
 # script -> extra arguments that keep the smoke run to seconds (after --quick, so they win)
 QUICK = {
     "bench_calibration.py": [],
+    "bench_colocated_real.py": [],
     "bench_cost_sensitivity.py": [],
     "bench_decision.py": [],
     "bench_engine_overhead.py": [],
+    "bench_fat_expert.py": [],
+    "bench_fat_expert_sim.py": [],
     "bench_late_binding.py": [],
     "bench_long_decodes.py": [],
     "bench_online_refit.py": [],
@@ -46,7 +49,6 @@ PROCESSES = {"bench_burst.py": [], "bench_serving_routers.py": ["--paths", "eldr
 SLOW = {"bench_online.py": []}  # its --quick replays 2,000 arrivals per scenario: about 3 min on 2 cores
 NEEDS_PROMPT_TRACES = {"bench_predicted_signatures.py": ["--workloads", "task", "--no-sim"]}
 COVERED_ELSEWHERE = {"bench_default_policy.py"}  # tests/unit/test_sim_report.py runs --quick
-NO_QUICK_YET = {"bench_fat_expert.py", "bench_colocated_real.py", "bench_fat_expert_sim.py"}
 
 
 def run_quick(script: str, extra: list[str], out: Path) -> subprocess.CompletedProcess:
@@ -99,7 +101,7 @@ def test_quick_smoke_run_on_recorded_prompts(script, tmp_path):
 
 def test_every_kept_benchmark_has_a_smoke_run():
     """A new benchmark script joins one of the lists above (modules it imports are not scripts)."""
-    listed = set(QUICK) | set(PROCESSES) | set(SLOW) | set(NEEDS_PROMPT_TRACES) | COVERED_ELSEWHERE | NO_QUICK_YET
+    listed = set(QUICK) | set(PROCESSES) | set(SLOW) | set(NEEDS_PROMPT_TRACES) | COVERED_ELSEWHERE
     scripts = {p.name for p in BENCH.glob("*.py") if 'if __name__ == "__main__":' in p.read_text()}
     assert sorted(scripts - listed) == []
 
