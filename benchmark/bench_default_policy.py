@@ -36,7 +36,7 @@ from typing import Sequence
 
 import numpy as np
 
-from common import command_line, fmt_mean_sd, write_record
+from common import command_line, fmt_mean_sd, markdown_table, write_record
 import bench_state_aware as grid_bench
 import report
 from eldr_sglang.sim import experiments
@@ -320,17 +320,14 @@ def render(doc: dict) -> str:
     else:
         L.append(f"**eldr_balanced fails {len(f)} of {n} checks** (listed below): it does not become the default.")
     L += ["", *headline_lines(doc)]
-    L += ["", "| rule | where | check | eldr_balanced | other | vs | diff | SE | pass |", "|---|---|---|---|---|---|---|---|---|"]
-    for c in dec["checks"]:
-        if c["pass"] and c["rule"] in (1, 2) and not doc.get("all_rows"):
-            continue
-        L.append(f"| {c['rule']} | {c['where']} | {c['note']} | {c['cand']:.3f} | {c['other']:.3f} | {c['vs']} | "
-                 f"{c['diff']:+.3f} | {c['se']:.3f} | {'yes' if c['pass'] else '**no**'} |")
+    shown = [c for c in dec["checks"] if doc.get("all_rows") or not c["pass"] or c["rule"] not in (1, 2)]
+    L += ["", markdown_table(["rule", "where", "check", CANDIDATE, "other", "vs", "diff", "SE", "pass"], [
+        [c["rule"], c["where"], c["note"], f"{c['cand']:.3f}", f"{c['other']:.3f}", c["vs"], f"{c['diff']:+.3f}",
+         f"{c['se']:.3f}", "yes" if c["pass"] else "**no**"] for c in shown])]
     L += ["", "(Rows of rules 1 and 2 that pass are left out of the table above; the tables below have every point.)",
           "", "## Grid: median / P99 TPOT (ms), seed means", ""]
     pols = list(BALANCERS) + ["domain", "eldr", "state_aware", "oracle", CANDIDATE]
-    L += ["| workload | K | req/s | " + " | ".join(pols) + " | load CV eldr / balanced | distinct experts rr / eldr / balanced |",
-          "|---|---|---|" + "---|" * len(pols) + "---|---|"]
+    grid_rows = []
     for wl in g["workloads"]:
         for k in g["pools"]:
             for rate in g["rates"]:
@@ -339,27 +336,31 @@ def render(doc: dict) -> str:
                 cv = " / ".join(f"{mean_of(runs, 'grid', wl, k, rate, p, 'load_cv'):.3f}" for p in ("eldr", CANDIDATE))
                 ux = " / ".join(f"{mean_of(runs, 'grid', wl, k, rate, p, 'unique_experts_per_step'):.1f}"
                                 for p in ("round_robin", "eldr", CANDIDATE))
-                L.append(f"| {wl} | {k} | {rate:g} | " + " | ".join(cells) + f" | {cv} | {ux} |")
+                grid_rows.append([wl, k, f"{rate:g}", *cells, cv, ux])
+    L.append(markdown_table(["workload", "K", "req/s", *pols, "load CV eldr / balanced",
+                             "distinct experts rr / eldr / balanced"], grid_rows))
     L += ["", f"## Goodput: highest req/s with P99 TPOT within the target ({g['goodput_k']} decode servers, "
-          "24 prefill), mean ± sd over seeds", "",
-          "| workload | target | " + " | ".join(GOODPUT_POLICIES) + " |", "|---|---|" + "---|" * len(GOODPUT_POLICIES)]
+          "24 prefill), mean ± sd over seeds", ""]
+    goodput_rows = []
     for wl in g["workloads"]:
         for t in experiments.FULL.goodput_targets_ms:
             gp = goodputs(runs, wl, g["goodput_k"], t)
-            L.append(f"| {wl} | {t:g} ms | " + " | ".join(
-                fmt_mean_sd(gp[p].values(), 0) for p in GOODPUT_POLICIES) + " |")
+            goodput_rows.append([wl, f"{t:g} ms", *(fmt_mean_sd(gp[p].values(), 0) for p in GOODPUT_POLICIES)])
+    L.append(markdown_table(["workload", "target", *GOODPUT_POLICIES], goodput_rows))
     L += ["", f"## Mix shift: calibrated on the calibration mix, served one where the most frequent label is "
-          f"{SHIFT_WEIGHT:g}x as likely as each other label ({g['shift_k']} decode servers, no refit)", "",
-          "| workload | req/s | policy | median TPOT | P99 TPOT | load CV | max/mean load | distinct experts | fewer than rr |",
-          "|---|---|---|---|---|---|---|---|---|"]
+          f"{SHIFT_WEIGHT:g}x as likely as each other label ({g['shift_k']} decode servers, no refit)", ""]
+    shift_rows = []
     for wl in g["workloads"]:
         for rate in g["shift_rates"]:
             rr = mean_of(runs, "shift", wl, g["shift_k"], rate, "round_robin", "unique_experts_per_step")
             for p in SHIFT_POLICIES:
                 f_ = lambda m: mean_of(runs, "shift", wl, g["shift_k"], rate, p, m)  # noqa: E731
-                L.append(f"| {wl} | {rate:g} | {p} | {f_('tpot_median_ms'):.2f} | {f_('tpot_p99_ms'):.2f} | "
-                         f"{f_('load_cv'):.3f} | {f_('load_max_over_mean'):.2f} | {f_('unique_experts_per_step'):.1f} | "
-                         f"{100 * (rr - f_('unique_experts_per_step')) / rr:.1f}% |")
+                shift_rows.append([wl, f"{rate:g}", p, f"{f_('tpot_median_ms'):.2f}", f"{f_('tpot_p99_ms'):.2f}",
+                                   f"{f_('load_cv'):.3f}", f"{f_('load_max_over_mean'):.2f}",
+                                   f"{f_('unique_experts_per_step'):.1f}",
+                                   f"{100 * (rr - f_('unique_experts_per_step')) / rr:.1f}%"])
+    L.append(markdown_table(["workload", "req/s", "policy", "median TPOT", "P99 TPOT", "load CV", "max/mean load",
+                             "distinct experts", "fewer than rr"], shift_rows))
     return "\n".join(L) + "\n"
 
 

@@ -49,7 +49,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from common import command_line, mean_sd, write_record
+from common import command_line, markdown_table, mean_sd, write_record
 from eldr_sglang.sim import experiments
 from eldr_sglang.core.artifact import load_artifact
 from eldr_sglang.core.policies import Policy, PolicyContext, RouteRequest, build_policy
@@ -349,50 +349,50 @@ def render(doc: dict) -> str:
          "Traces recorded with their prompts' token ids (`tools/record_prompt_traces.py`: teacher-forced "
          "transformers pass over prompt + the document's continuation; see the script). Accuracy is measured "
          "on evaluation requests never used to fit the predictor or the artifact.", "",
-         "## Holdout accuracy (measured, not simulated)", "",
-         "| model | workload | layers | alpha | Pearson pair similarity | region agreement (K=16) | true region in "
-         "predicted top 2 | cos(pred, true) | chance | mean-estimator region agreement | token coverage | "
-         "confident share / agreement (margin 0.02) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "## Holdout accuracy (measured, not simulated)", ""]
+    rows = []
     for a in doc["accuracy"]:
         r, c = a["ridge"], a["ridge"]["confident"]["0.02"]
-        L.append(f"| {a['model']} | {a['workload']} | {a['layers']} | {a['alpha']:g} | "
-                 f"{r['pearson_pair_similarity']:.3f} | {r['region_agreement']:.3f} | "
-                 f"{r['region_in_predicted_top2']:.3f} | {r['mean_cosine_pred_true']:.3f} | "
-                 f"{a['chance_region_agreement']:.3f} | {a['mean_baseline']['region_agreement']:.3f} | "
-                 f"{a['eval_token_coverage']:.3f} | {c['share']:.2f} / "
-                 f"{'n/a' if c['agreement'] is None else format(c['agreement'], '.3f')} |")
-    L += ["", "Memory of the per-token table (int8 deviations + one float32 scale per token + int32 ids):", "",
-          "| model | workload | tokens seen | bytes now | bytes, 150k vocabulary int8 | float16 |", "|---|---|---|---|---|---|"]
-    for a in doc["accuracy"]:
-        b = a["bytes_150k_vocab"]
-        L.append(f"| {a['model']} | {a['workload']} | {a['tokens_seen']} | {a['table_bytes'] / 2**20:.2f} MiB | "
-                 f"{b['int8'] / 2**20:.1f} MiB | {b['float16'] / 2**20:.1f} MiB |")
+        rows.append([a["model"], a["workload"], a["layers"], f"{a['alpha']:g}", f"{r['pearson_pair_similarity']:.3f}",
+                     f"{r['region_agreement']:.3f}", f"{r['region_in_predicted_top2']:.3f}",
+                     f"{r['mean_cosine_pred_true']:.3f}", f"{a['chance_region_agreement']:.3f}",
+                     f"{a['mean_baseline']['region_agreement']:.3f}", f"{a['eval_token_coverage']:.3f}",
+                     f"{c['share']:.2f} / {'n/a' if c['agreement'] is None else format(c['agreement'], '.3f')}"])
+    L.append(markdown_table(["model", "workload", "layers", "alpha", "Pearson pair similarity",
+                             "region agreement (K=16)", "true region in predicted top 2", "cos(pred, true)", "chance",
+                             "mean-estimator region agreement", "token coverage",
+                             "confident share / agreement (margin 0.02)"], rows))
+    L += ["", "Memory of the per-token table (int8 deviations + one float32 scale per token + int32 ids):", ""]
+    L.append(markdown_table(
+        ["model", "workload", "tokens seen", "bytes now", "bytes, 150k vocabulary int8", "float16"],
+        [[a["model"], a["workload"], a["tokens_seen"], f"{a['table_bytes'] / 2**20:.2f} MiB",
+          f"{a['bytes_150k_vocab']['int8'] / 2**20:.1f} MiB", f"{a['bytes_150k_vocab']['float16'] / 2**20:.1f} MiB"]
+         for a in doc["accuracy"]]))
     if doc.get("cost"):
-        L += ["", "## Cost per request (measured on this machine's CPU)", "",
-              "| workload | tokenise p50/p99 us | predict + signature p50/p99 us | decide (eldr, 16) p50/p99 us | "
-              "total p50/p99 us |", "|---|---|---|---|---|"]
+        L += ["", "## Cost per request (measured on this machine's CPU)", ""]
+        rows = []
         for c in doc["cost"]:
             f = lambda k: f"{c[k]['p50_us']:.0f} / {c[k]['p99_us']:.0f}"  # noqa: E731
-            L.append(f"| {c['workload']} | {f('tokenise')} | {f('predict')} | {f('decide')} | {f('total')} |")
+            rows.append([c["workload"], f("tokenise"), f("predict"), f("decide"), f("total")])
+        L.append(markdown_table(["workload", "tokenise p50/p99 us", "predict + signature p50/p99 us",
+                                 "decide (eldr, 16) p50/p99 us", "total p50/p99 us"], rows))
     if doc.get("simulation"):
         g = doc["grid"]
         L += ["", f"## Early vs late binding (SIMULATED; {g['seeds']} seeds, mean ± sd; 8 prefill / 16 decode; "
-              f"late signature wait {doc['late_wait_s'] * 1e3:g} ms)", "",
-              "| workload | req/s | run | distinct experts/step | TPOT p50 ms | TPOT p99 ms | TTFT p50 ms | "
-              "TTFT p99 ms | prompt tokens held on prefill |", "|---|---|---|---|---|---|---|---|---|"]
+              f"late signature wait {doc['late_wait_s'] * 1e3:g} ms)", ""]
+        rows = []
         for key, point in doc["simulation"].items():
             wl, rate = key.split("@")
             for run, s in point["runs"].items():
                 f = lambda m, d=2: f"{s[m][0]:.{d}f} ± {s[m][1]:.{d}f}"  # noqa: E731
-                L.append(f"| {wl} | {rate} | {run} | {f('unique_experts_per_step', 1)} | {f('tpot_median_ms')} | "
-                         f"{f('tpot_p99_ms')} | {f('ttft_median_ms', 1)} | {f('ttft_p99_ms', 1)} | "
-                         f"{f('prefill_kv_held_tokens', 0)} |")
+                rows.append([wl, rate, run, f("unique_experts_per_step", 1), f("tpot_median_ms"), f("tpot_p99_ms"),
+                             f("ttft_median_ms", 1), f("ttft_p99_ms", 1), f("prefill_kv_held_tokens", 0)])
+        L.append(markdown_table(["workload", "req/s", "run", "distinct experts/step", "TPOT p50 ms", "TPOT p99 ms",
+                                 "TTFT p50 ms", "TTFT p99 ms", "prompt tokens held on prefill"], rows))
         L += ["", "Share of late binding's median-TPOT gain over the best balancer that early binding with "
               "predicted signatures keeps (SIMULATED; of the seed means, and mean ± sd of per-seed shares), and "
-              "what early binding saves:", "",
-              "| workload | req/s | policy | best balancer | late's median gain ms | kept (seed means) | kept per seed | "
-              "late's P99 gain ms | kept, P99 (seed means) | TTFT p50 saved ms | TTFT p99 saved ms | "
-              "prompt tokens held saved |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "what early binding saves:", ""]
+        rows = []
         for key, point in doc["simulation"].items():
             wl, rate = key.split("@")
             for p, s in point["policies"].items():
@@ -402,10 +402,12 @@ def render(doc: dict) -> str:
                 fmt = lambda d: "n/a" if d["mean"] is None else (  # noqa: E731
                     f"{100 * d['mean']:.0f}%" + ("" if d["sd"] is None else f" ± {100 * d['sd']:.0f}%"))
                 pct = lambda v, why="n/a": why if v is None else format(100 * v, ".0f") + "%"  # noqa: E731
-                L.append(f"| {wl} | {rate} | {p} | {point['best_balancer']} | {g['median']:.2f} | {pct(k)} | "
-                         f"{fmt(ps)} | {g['p99']:.2f} | {pct(k99, 'n/a (no late P99 gain)')} | "
-                         f"{s['ttft_saved_median_ms']:.1f} | {s['ttft_saved_p99_ms']:.1f} | "
-                         f"{s['kv_held_saved_tokens']:.0f} |")
+                rows.append([wl, rate, p, point["best_balancer"], f"{g['median']:.2f}", pct(k), fmt(ps),
+                             f"{g['p99']:.2f}", pct(k99, "n/a (no late P99 gain)"), f"{s['ttft_saved_median_ms']:.1f}",
+                             f"{s['ttft_saved_p99_ms']:.1f}", f"{s['kv_held_saved_tokens']:.0f}"])
+        L.append(markdown_table(["workload", "req/s", "policy", "best balancer", "late's median gain ms",
+                                 "kept (seed means)", "kept per seed", "late's P99 gain ms", "kept, P99 (seed means)",
+                                 "TTFT p50 saved ms", "TTFT p99 saved ms", "prompt tokens held saved"], rows))
     return "\n".join(L) + "\n"
 
 

@@ -40,7 +40,7 @@ from typing import Sequence
 
 import numpy as np
 
-from common import mean_sd, write_record
+from common import markdown_table, mean_sd, write_record
 from eldr_sglang.sim import experiments
 from eldr_sglang.core.policies import StateAwarePolicy
 from eldr_sglang.sim.calibration import prefill_activations
@@ -389,8 +389,7 @@ def render(doc: dict) -> str:
     w("## state_aware minus ELDR (paired by seed)\n")
     w("Per-seed difference state_aware - eldr (negative = state_aware better), mean ± sd over seeds, and the "
       "number of seeds in which state_aware is better.\n")
-    w("| workload | K | req/s | median TPOT ms | median % | wins | P99 TPOT ms | P99 % | wins | mean batch sa / eldr | load CV sa / eldr |")
-    w("|---|---|---|---|---|---|---|---|---|---|---|")
+    cells = []
     for wl in wls:
         for k in pools:
             for rate in rates:
@@ -400,10 +399,12 @@ def render(doc: dict) -> str:
                 e = stats(runs, workload=wl, num_decode=k, rate=rate, policy="eldr")
                 if not a_ or not s or not e:
                     continue
-                w(f"| {wl} | {k} | {rate:g} | {a_['mean']:+.2f} ± {a_['sd']:.2f} | {a_['rel_pct']:+.1f} | "
-                  f"{a_['a_wins']}/{a_['n']} | {b_['mean']:+.2f} ± {b_['sd']:.2f} | {b_['rel_pct']:+.1f} | "
-                  f"{b_['a_wins']}/{b_['n']} | {s['mean_batch']:.1f} / {e['mean_batch']:.1f} | "
-                  f"{s['load_cv']:.3f} / {e['load_cv']:.3f} |")
+                cells.append([wl, k, f"{rate:g}", f"{a_['mean']:+.2f} ± {a_['sd']:.2f}", f"{a_['rel_pct']:+.1f}",
+                              f"{a_['a_wins']}/{a_['n']}", f"{b_['mean']:+.2f} ± {b_['sd']:.2f}", f"{b_['rel_pct']:+.1f}",
+                              f"{b_['a_wins']}/{b_['n']}", f"{s['mean_batch']:.1f} / {e['mean_batch']:.1f}",
+                              f"{s['load_cv']:.3f} / {e['load_cv']:.3f}"])
+    w(markdown_table(["workload", "K", "req/s", "median TPOT ms", "median %", "wins", "P99 TPOT ms", "P99 %", "wins",
+                      "mean batch sa / eldr", "load CV sa / eldr"], cells))
     w("")
 
     w("## Goodput at a P99 TPOT target\n")
@@ -411,17 +412,15 @@ def render(doc: dict) -> str:
       "(workload, K). Goodput = the highest grid rate such that the seed-mean P99 TPOT is <= T at that rate and at "
       "every lower grid rate (0 = not even at the lowest); the grid tops out at "
       f"{max(rates):g} req/s, so {max(rates):g} means 'at least {max(rates):g}'.\n")
-    w("| workload | K | T (ms) | " + " | ".join(pols) + " |")
-    w("|---|---|---|" + "---|" * len(pols))
-    top = 0.0
+    top, cells = 0.0, []
     for wl in wls:
         for k in pools:
             g = goodput(runs, wl, k, rates, pols)
             if not g:
                 continue
             top = max([top] + [v["goodput_rate"] for v in g["policies"].values()])
-            w(f"| {wl} | {k} | {g['target_ms']:.2f} | "
-              + " | ".join(f"{g['policies'][p]['goodput_rate']:g}" for p in pols) + " |")
+            cells.append([wl, k, f"{g['target_ms']:.2f}", *(f"{g['policies'][p]['goodput_rate']:g}" for p in pols)])
+    w(markdown_table(["workload", "K", "T (ms)", *pols], cells))
     w("")
     if top < max(rates):
         w(f"No policy keeps its P99 within T above {top:g} req/s: in this cost model every policy's TPOT grows with "
@@ -432,21 +431,18 @@ def render(doc: dict) -> str:
     w(f"Rule (issue): state_aware becomes the recommended policy only if it beats ELDR's median TPOT on both "
       f"workloads at >= {DECISION_RATE:g} req/s (here: every K) without a worse P99 TPOT at any load (every rate, "
       "every K). Compared on seed means; 'SE' is the standard error of the paired per-seed difference.\n")
-    w("| check | workload | K | req/s | state_aware ms | eldr ms | diff ± SE ms | sa better in | pass |")
-    w("|---|---|---|---|---|---|---|---|---|")
-    for name, checks in (("median", dec["median"]), ("P99", dec["p99"])):
-        for c in checks:
-            w(f"| {name} | {c['workload']} | {c['K']} | {c['rate']:g} | {c['state_aware']:.2f} | {c['eldr']:.2f} | "
-              f"{c['diff_ms']:+.2f} ± {c['diff_se_ms']:.2f} | {c['sa_wins']}/{c['n']} | "
-              f"{'yes' if c['pass'] else '**no**'} |")
+    w(markdown_table(
+        ["check", "workload", "K", "req/s", "state_aware ms", "eldr ms", "diff ± SE ms", "sa better in", "pass"],
+        [[name, c["workload"], c["K"], f"{c['rate']:g}", f"{c['state_aware']:.2f}", f"{c['eldr']:.2f}",
+          f"{c['diff_ms']:+.2f} ± {c['diff_se_ms']:.2f}", f"{c['sa_wins']}/{c['n']}", "yes" if c["pass"] else "**no**"]
+         for name, checks in (("median", dec["median"]), ("P99", dec["p99"])) for c in checks]))
     w("")
 
     w("## Per workload and decode pool: all policies (simulated)\n")
     for wl in wls:
         for k in pools:
             w(f"### {wl}, {st['num_prefill']}P{k}D\n")
-            w("| req/s | policy | median TPOT ms | P99 TPOT ms | distinct experts/step/layer | load CV | mean batch |")
-            w("|---|---|---|---|---|---|---|")
+            cells = []
             for rate in rates:
                 rows = {p: stats(runs, workload=wl, num_decode=k, rate=rate, policy=p) for p in pols}
                 rows = {p: s for p, s in rows.items() if s}
@@ -460,8 +456,10 @@ def render(doc: dict) -> str:
                         med = f"**{med}**"
                     if s["tpot_p99_ms"] == best_p99:
                         p99 = f"**{p99}**"
-                    w(f"| {rate:g} | {p} | {med} | {p99} | {pm(s, 'unique_experts_per_step', 1)} | "
-                      f"{pm(s, 'load_cv', 3)} | {s['mean_batch']:.1f} |")
+                    cells.append([f"{rate:g}", p, med, p99, pm(s, "unique_experts_per_step", 1), pm(s, "load_cv", 3),
+                                  f"{s['mean_batch']:.1f}"])
+            w(markdown_table(["req/s", "policy", "median TPOT ms", "P99 TPOT ms", "distinct experts/step/layer",
+                              "load CV", "mean batch"], cells))
             w("")
     w("Bold: lowest seed-mean of the rate (the oracle included).\n")
     return "\n".join(L) + "\n"

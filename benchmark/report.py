@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from common import mean_sd, quick_out, write_record
+from common import markdown_table, mean_sd, quick_out, write_record
 import measured
 from eldr_sglang.sim import experiments
 from eldr_sglang.sim.cost_model import (PAPER_EXPERT_RATIO, PARAM_SETS, get_params,
@@ -444,37 +444,54 @@ def render(args, sweep, runs, info, microbenches, plot_files, command) -> str:
       "signatures unchanged (the radix signature cache keeps them exact)\n")
 
     w("## Paper vs simulation (headline)\n")
-    w("| claim | paper | simulated (over loads; mean ± sd over seeds) |")
-    w("|---|---|---|")
     heads = {wl: headline(runs, wl, sweep.loads) for wl in wls}
     nseeds = len(seeds_of(runs))
     col = lambda wl, key: fmt_spread(heads[wl], key, nseeds)  # noqa: E731
+    claims = []
     if "task" in wls:
-        w(f"| task: ELDR median TPOT better than best load balancer (%) | {paper_range('task_eldr_vs_lb_median')} | {col('task', 'eldr_vs_lb_median')} |")
-        w(f"| task: ELDR P99 TPOT better than best load balancer (%) | {paper_range('task_eldr_vs_lb_p99')} | {col('task', 'eldr_vs_lb_p99')} |")
-        w(f"| task: Domain median better than best load balancer (%) | {paper_range('task_domain_vs_lb_median')} | {col('task', 'domain_vs_lb_median')} |")
-        w(f"| task: ELDR median better than Domain (%) | {paper_range('task_eldr_vs_domain_median')} | {col('task', 'eldr_vs_domain_median')} |")
-        w(f"| task: ELDR P99 better than Domain (%) | {paper_range('task_eldr_vs_domain_p99')} | {col('task', 'eldr_vs_domain_p99')} |")
-        w(f"| task: fewer distinct experts, grouped vs mixed (%) | {paper_range('fewer_experts_task')} (same-task batches) | ELDR {col('task', 'eldr_fewer_experts')}, Domain {col('task', 'domain_fewer_experts')} vs round robin |")
+        claims += [
+            ["task: ELDR median TPOT better than best load balancer (%)", paper_range("task_eldr_vs_lb_median"),
+             col("task", "eldr_vs_lb_median")],
+            ["task: ELDR P99 TPOT better than best load balancer (%)", paper_range("task_eldr_vs_lb_p99"),
+             col("task", "eldr_vs_lb_p99")],
+            ["task: Domain median better than best load balancer (%)", paper_range("task_domain_vs_lb_median"),
+             col("task", "domain_vs_lb_median")],
+            ["task: ELDR median better than Domain (%)", paper_range("task_eldr_vs_domain_median"),
+             col("task", "eldr_vs_domain_median")],
+            ["task: ELDR P99 better than Domain (%)", paper_range("task_eldr_vs_domain_p99"),
+             col("task", "eldr_vs_domain_p99")],
+            ["task: fewer distinct experts, grouped vs mixed (%)",
+             f"{paper_range('fewer_experts_task')} (same-task batches)",
+             f"ELDR {col('task', 'eldr_fewer_experts')}, Domain {col('task', 'domain_fewer_experts')} vs round robin"]]
     if "language" in wls:
-        w(f"| language: ELDR median better than best load balancer (%) | {paper_range('language_eldr_vs_lb_median')} | {col('language', 'eldr_vs_lb_median')} |")
-        w(f"| language: ELDR P99 TPOT better than best load balancer (%) | (not in paper) | {col('language', 'eldr_vs_lb_p99')} |")
-        w(f"| language: ELDR median better than Domain (%) | {paper_range('language_eldr_vs_domain_median')} | {col('language', 'eldr_vs_domain_median')} |")
-        w(f"| language: ELDR P99 better than Domain (%) | {paper_range('language_eldr_vs_domain_p99')} | {col('language', 'eldr_vs_domain_p99')} |")
-        w(f"| language: fewer distinct experts, grouped vs mixed (%) | {paper_range('fewer_experts_language')} (same-language batches) | ELDR {col('language', 'eldr_fewer_experts')}, Domain {col('language', 'domain_fewer_experts')} vs round robin |")
+        claims += [
+            ["language: ELDR median better than best load balancer (%)", paper_range("language_eldr_vs_lb_median"),
+             col("language", "eldr_vs_lb_median")],
+            ["language: ELDR P99 TPOT better than best load balancer (%)", "(not in paper)",
+             col("language", "eldr_vs_lb_p99")],
+            ["language: ELDR median better than Domain (%)", paper_range("language_eldr_vs_domain_median"),
+             col("language", "eldr_vs_domain_median")],
+            ["language: ELDR P99 better than Domain (%)", paper_range("language_eldr_vs_domain_p99"),
+             col("language", "eldr_vs_domain_p99")],
+            ["language: fewer distinct experts, grouped vs mixed (%)",
+             f"{paper_range('fewer_experts_language')} (same-language batches)",
+             f"ELDR {col('language', 'eldr_fewer_experts')}, Domain {col('language', 'domain_fewer_experts')} "
+             "vs round robin"]]
     for wl in wls:
-        w(f"| {wl}: share of the oracle grouping's expert reduction that ELDR captures (%) | (not in paper) | {col(wl, 'captured')} |")
+        claims.append([f"{wl}: share of the oracle grouping's expert reduction that ELDR captures (%)",
+                       "(not in paper)", col(wl, "captured")])
     goods = {wl: goodput(runs, wl, sweep.goodput_policies, sweep.goodput_targets_ms) for wl in wls}
     for t in sweep.goodput_targets_ms:
         cells = []
         for wl in wls:
             m, sd, _ = goods[wl].get(("eldr_vs_best_lb", t), (float("nan"), 0.0, ""))
             cells.append(f"{wl} {m:.1f}" + (f" ± {sd:.1f}" if nseeds > 1 else ""))
-        w(f"| goodput (highest req/s with P99 TPOT <= {t:g} ms): ELDR vs best load balancer (%) | (not in paper) | "
-          f"{', '.join(cells)} |")
+        claims.append([f"goodput (highest req/s with P99 TPOT <= {t:g} ms): ELDR vs best load balancer (%)",
+                       "(not in paper)", ", ".join(cells)])
     for k in sweep.pools:
-        sim = ", ".join(f"{wl} {pool_gain(runs, wl, k):.1f}" for wl in wls)
-        w(f"| median TPOT gain over round robin, {k} decode servers (%) | {PAPER['pool_gain'].get(k, 'n/a')} | {sim} |")
+        claims.append([f"median TPOT gain over round robin, {k} decode servers (%)", PAPER["pool_gain"].get(k, "n/a"),
+                       ", ".join(f"{wl} {pool_gain(runs, wl, k):.1f}" for wl in wls)])
+    w(markdown_table(["claim", "paper", "simulated (over loads; mean ± sd over seeds)"], claims))
     w("")
 
     default_json = args.out_dir / "results" / "default_policy.json"
@@ -497,19 +514,21 @@ def render(args, sweep, runs, info, microbenches, plot_files, command) -> str:
     w("## TPOT vs load (simulated)\n")
     for wl in wls:
         w(f"### {wl} workload, {b['num_prefill']}P{sweep.main_decode}D\n")
-        w("| req/s | policy | median TPOT ms | P99 TPOT ms | median TTFT ms | P99 TTFT ms | distinct experts/step/layer | mean batch | load CV | max/mean load | tokens/s |")
-        w("|---|---|---|---|---|---|---|---|---|---|---|")
-        for (rate, pol), r in main_table(runs, wl, sweep.loads, sweep.policies).items():
-            w(f"| {rate:g} | {pol} | {pm(r, 'tpot_median_ms')} | {pm(r, 'tpot_p99_ms')} | {r['ttft_median_ms']:.1f} | "
-              f"{r['ttft_p99_ms']:.1f} | {r['unique_experts_per_step']:.1f} | {r['mean_batch']:.1f} | "
-              f"{r['load_cv']:.3f} | {r['load_max_over_mean']:.2f} | {r['throughput_tokens_s']:.0f} |")
+        w(markdown_table(
+            ["req/s", "policy", "median TPOT ms", "P99 TPOT ms", "median TTFT ms", "P99 TTFT ms",
+             "distinct experts/step/layer", "mean batch", "load CV", "max/mean load", "tokens/s"],
+            [[f"{rate:g}", pol, pm(r, "tpot_median_ms"), pm(r, "tpot_p99_ms"), f"{r['ttft_median_ms']:.1f}",
+              f"{r['ttft_p99_ms']:.1f}", f"{r['unique_experts_per_step']:.1f}", f"{r['mean_batch']:.1f}",
+              f"{r['load_cv']:.3f}", f"{r['load_max_over_mean']:.2f}", f"{r['throughput_tokens_s']:.0f}"]
+             for (rate, pol), r in main_table(runs, wl, sweep.loads, sweep.policies).items()]))
         w("")
-        w("| req/s | ELDR vs best LB median % | ELDR vs best LB P99 % | ELDR vs Domain median % | ELDR vs Domain P99 % | oracle vs best LB median % | expert reduction captured % |")
-        w("|---|---|---|---|---|---|---|")
+        rows = []
         for rate, h in heads[wl].items():
             g = lambda k: f"{h.get(k, float('nan')):.1f}" + (f" ± {h.get(k + '_sd', 0.0):.1f}" if nseeds > 1 else "")  # noqa: E731
-            w(f"| {rate:g} | {g('eldr_vs_lb_median')} | {g('eldr_vs_lb_p99')} | {g('eldr_vs_domain_median')} | "
-              f"{g('eldr_vs_domain_p99')} | {g('oracle_vs_lb_median')} | {g('captured')} |")
+            rows.append([f"{rate:g}", g("eldr_vs_lb_median"), g("eldr_vs_lb_p99"), g("eldr_vs_domain_median"),
+                         g("eldr_vs_domain_p99"), g("oracle_vs_lb_median"), g("captured")])
+        w(markdown_table(["req/s", "ELDR vs best LB median %", "ELDR vs best LB P99 %", "ELDR vs Domain median %",
+                          "ELDR vs Domain P99 %", "oracle vs best LB median %", "expert reduction captured %"], rows))
         w("")
     w("![TPOT vs load](results/tpot_vs_load.png)\n")
     w("![distinct experts](results/unique_experts.png)\n")
@@ -517,37 +536,40 @@ def render(args, sweep, runs, info, microbenches, plot_files, command) -> str:
         render_goodput(w, runs, sweep, wls, goods, nseeds)
 
     w(f"## tau sweep (ELDR, {sweep.tau_rate:g} req/s, {sweep.main_decode} decode; simulated)\n")
-    w("| workload | tau | median TPOT ms | P99 TPOT ms | distinct experts/step/layer | load CV |")
-    w("|---|---|---|---|---|---|")
+    rows = []
     for wl in wls:
         for t in sweep.taus:
             r = aggregate(runs, experiment="tau", workload=wl, tau=t)
-            w(f"| {wl} | {t:g} | {r['tpot_median_ms']:.2f} | {r['tpot_p99_ms']:.2f} | "
-              f"{r['unique_experts_per_step']:.1f} | {r['load_cv']:.3f} |")
+            rows.append([wl, f"{t:g}", f"{r['tpot_median_ms']:.2f}", f"{r['tpot_p99_ms']:.2f}",
+                         f"{r['unique_experts_per_step']:.1f}", f"{r['load_cv']:.3f}"])
+    w(markdown_table(["workload", "tau", "median TPOT ms", "P99 TPOT ms", "distinct experts/step/layer", "load CV"],
+                     rows))
     w("\n![tau sweep](results/tau_sweep.png)\n")
 
     w(f"## Decode-pool scaling ({sweep.pool_rate_per_server:g} req/s per decode server; simulated)\n")
-    w("| workload | decode servers | req/s | RR median ms | ELDR median ms | gain % | paper gain % |")
-    w("|---|---|---|---|---|---|---|")
+    rows = []
     for wl in wls:
         for k in sweep.pools:
             rr = aggregate(runs, experiment="pool", workload=wl, num_decode=k, policy="round_robin")
             e = aggregate(runs, experiment="pool", workload=wl, num_decode=k, policy="eldr")
-            w(f"| {wl} | {k} | {rr['rate']:g} | {rr['tpot_median_ms']:.2f} | {e['tpot_median_ms']:.2f} | "
-              f"{pool_gain(runs, wl, k):.1f} | {PAPER['pool_gain'].get(k, 'n/a')} |")
+            rows.append([wl, k, f"{rr['rate']:g}", f"{rr['tpot_median_ms']:.2f}", f"{e['tpot_median_ms']:.2f}",
+                         f"{pool_gain(runs, wl, k):.1f}", PAPER["pool_gain"].get(k, "n/a")])
+    w(markdown_table(["workload", "decode servers", "req/s", "RR median ms", "ELDR median ms", "gain %",
+                      "paper gain %"], rows))
     w("\n![pool scaling](results/pool_scaling.png)\n")
 
     w(f"## Prefix caching ({sweep.prefix_rate:g} req/s; simulated)\n")
-    w("| workload | cached share | policy | median TPOT ms | P99 TPOT ms | median TTFT ms | ELDR median gain vs round robin % |")
-    w("|---|---|---|---|---|---|---|")
+    rows = []
     for wl in wls:
         for frac in (0.0, sweep.prefix_fraction):
             rr = aggregate(runs, experiment="prefix", workload=wl, prefix_cached_fraction=frac, policy="round_robin")
             for pol in sweep.prefix_policies:
                 r = aggregate(runs, experiment="prefix", workload=wl, prefix_cached_fraction=frac, policy=pol)
                 g = f"{gain(rr['tpot_median_ms'], r['tpot_median_ms']):.1f}" if pol == "eldr" else ""
-                w(f"| {wl} | {frac:.0%} | {pol} | {r['tpot_median_ms']:.2f} | {r['tpot_p99_ms']:.2f} | "
-                  f"{r['ttft_median_ms']:.1f} | {g} |")
+                rows.append([wl, f"{frac:.0%}", pol, f"{r['tpot_median_ms']:.2f}", f"{r['tpot_p99_ms']:.2f}",
+                             f"{r['ttft_median_ms']:.1f}", g])
+    w(markdown_table(["workload", "cached share", "policy", "median TPOT ms", "P99 TPOT ms", "median TTFT ms",
+                      "ELDR median gain vs round robin %"], rows))
     w("")
 
     w("## MoE-layer microbenchmark (MEASURED) vs the cost model's shape\n")
@@ -558,18 +580,16 @@ def render(args, sweep, runs, info, microbenches, plot_files, command) -> str:
           f"timing: {mb.get('timing', 'wall clock per call')}):\n")
         if mb.get("command"):
             w(f"`{mb['command']}`\n")
-        w("| batch | distinct experts | median ms |")
-        w("|---|---|---|")
-        for r in mb["rows"]:
-            w(f"| {r['batch']} | {r['unique']} | {r['median_ms']:.3f} |")
+        w(markdown_table(["batch", "distinct experts", "median ms"],
+                         [[r["batch"], r["unique"], f"{r['median_ms']:.3f}"] for r in mb["rows"]]))
         w("")
-        w("| batch | linear fit R^2 | intercept ms | ms per expert | implied GB/s (3 passes) | measured ratio | "
-          "cost-model ratio (same expert fractions) |")
-        w("|---|---|---|---|---|---|---|")
+        rows = []
         for batch, s in shape.items():
             gbs = 3 * mb["bytes_per_expert"] / (s["slope_ms"] * 1e-3) / 1e9 if s["slope_ms"] > 0 else float("nan")
-            w(f"| {batch} | {s['r2']:.3f} | {s['intercept_ms']:.3f} | {s['slope_ms']:.4f} | {gbs:.0f} | "
-              f"{s['measured_ratio']:.2f} ({s['u_high']:g} vs {s['u_low']:g}) | {s['model_ratio']:.2f} |")
+            rows.append([batch, f"{s['r2']:.3f}", f"{s['intercept_ms']:.3f}", f"{s['slope_ms']:.4f}", f"{gbs:.0f}",
+                         f"{s['measured_ratio']:.2f} ({s['u_high']:g} vs {s['u_low']:g})", f"{s['model_ratio']:.2f}"])
+        w(markdown_table(["batch", "linear fit R^2", "intercept ms", "ms per expert", "implied GB/s (3 passes)",
+                          "measured ratio", "cost-model ratio (same expert fractions)"], rows))
         w("")
     if microbenches:
         w("Each extra distinct expert costs the slope: this layer passes over an expert's weights 3 times "
@@ -595,26 +615,27 @@ def render_goodput(w, runs, sweep, wls, goods, nseeds) -> None:
       f"measured {window:g} s, max batch {sweep.base.max_batch}. Goodput = the highest load whose P99 TPOT meets "
       "the target (linear between swept loads, at the first crossing); `>=` = met at every swept load, "
       "`<` = at none. TPOT includes waiting for a decode batch slot, so a saturated server shows in it.\n")
-    w("| workload | policy | " + " | ".join(f"goodput req/s, P99 TPOT <= {t:g} ms" for t in sweep.goodput_targets_ms)
-      + " |")
-    w("|---|---|" + "---|" * len(sweep.goodput_targets_ms))
+    rows = []
     for wl in wls:
         for p in sweep.goodput_policies:
             cells = []
             for t in sweep.goodput_targets_ms:
                 m, sd, flag = goods[wl][(p, t)]
                 cells.append(f"{flag}{m:.0f}" + (f" ± {sd:.0f}" if nseeds > 1 else ""))
-            w(f"| {wl} | {p} | " + " | ".join(cells) + " |")
+            rows.append([wl, p, *cells])
+    w(markdown_table(["workload", "policy", *(f"goodput req/s, P99 TPOT <= {t:g} ms" for t in sweep.goodput_targets_ms)],
+                     rows))
     w("")
-    w("| workload | req/s | policy | median TPOT ms | P99 TPOT ms | P99 TTFT ms | mean batch | max/mean load |")
-    w("|---|---|---|---|---|---|---|---|")
+    rows = []
     for wl in wls:
         for rate in sweep.goodput_rates:
             for p in sweep.goodput_policies:
                 r = aggregate(runs, experiment="goodput", workload=wl, rate=rate, policy=p)
                 if r:
-                    w(f"| {wl} | {rate:g} | {p} | {pm(r, 'tpot_median_ms')} | {pm(r, 'tpot_p99_ms')} | "
-                      f"{r['ttft_p99_ms']:.1f} | {r['mean_batch']:.1f} | {r['load_max_over_mean']:.2f} |")
+                    rows.append([wl, f"{rate:g}", p, pm(r, "tpot_median_ms"), pm(r, "tpot_p99_ms"),
+                                 f"{r['ttft_p99_ms']:.1f}", f"{r['mean_batch']:.1f}", f"{r['load_max_over_mean']:.2f}"])
+    w(markdown_table(["workload", "req/s", "policy", "median TPOT ms", "P99 TPOT ms", "P99 TTFT ms", "mean batch",
+                      "max/mean load"], rows))
     w("")
 
 
