@@ -67,6 +67,7 @@ class PhaseReport:
     steps: dict[str, float] = field(default_factory=dict)
     by_batch: dict[int, list[int]] = field(default_factory=dict)  # batch size -> distinct experts per step
     router_counters: dict[str, int] = field(default_factory=dict)  # the router's /eldr/status counters
+    home: list[bool] = field(default_factory=list)  # per scored decision: went to its most similar region
     wall: float = 0.0
 
     def unique_overall(self) -> float:
@@ -169,9 +170,12 @@ def run_phase(cluster: lc.PDCluster, router: lc.ManagedProcess, policy: str, row
     label_of = {f"{policy}-{r.rid}": r.label for r in results}
     report.label_mix = {proc.url: Counter() for proc, _ in cluster.decodes}
     for decision in lc.http_json(router.url + f"/eldr/decisions?last={len(rows) + 10}"):
-        for rid in decision["rids"]:
-            if rid in label_of:
-                report.label_mix[decision["decode"]][label_of[rid]] += 1
+        mine = [rid for rid in decision["rids"] if rid in label_of]
+        for rid in mine:
+            report.label_mix[decision["decode"]][label_of[rid]] += 1
+        sims = decision.get("server_similarities")
+        if mine and sims:
+            report.home.append(decision["decode"] == max(sims, key=sims.get))
     for url in after:
         du, ds = after[url][0] - before[url][0], after[url][1] - before[url][1]
         report.steps[url] = ds
@@ -243,6 +247,9 @@ def report_json(reports: list[PhaseReport], decode_urls: list[str]) -> dict:
             "mean_unique_experts_per_step": rep.unique_overall(),
             "latency": rep.latency_figures(), "wall_s": rep.wall,
             "router_counters": rep.router_counters,
+            # share of signature-scored decisions sent to the most similar region (None: not scored;
+            # a signature-blind balancer sends 1/N there on average)
+            "home_share": sum(rep.home) / len(rep.home) if rep.home else None,
         } for rep in reports},
         "equal_batch_change_pct": change, "matched_steps": matched,
         "vs_baseline": {rep.policy: dict(zip(("equal_batch_change_pct", "matched_steps"),
@@ -271,6 +278,8 @@ def print_report(reports: list[PhaseReport], decode_urls: list[str]) -> str:
     lines.append("max/mean requests".ljust(26) + "".join(f"{max_over_mean(rep.label_mix):{w}.2f}" for rep in reports))
     lines.append("label entropy/server, bits".ljust(26) + "".join(f"{label_entropy(rep.label_mix):{w}.2f}"
                                                               for rep in reports))
+    lines.append("to most similar region".ljust(26) + "".join(
+        (f"{sum(rep.home) / len(rep.home):.0%}" if rep.home else "-").rjust(w) for rep in reports))
     for key in figs[0]:
         lines.append(key.ljust(26) + "".join(f"{f[key]:{w}.1f}" for f in figs))
     lines.append("distinct experts per step by batch size (batch: "

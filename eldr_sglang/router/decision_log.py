@@ -53,6 +53,8 @@ class DecisionRecord:
             out["best_similarity"] = dec.best_similarity
         if dec.centroid_similarities is not None:
             out["similarities"] = dec.centroid_similarities.tolist()
+            if dec.server_similarities is not None:  # region similarity of each decode server
+                out["server_similarities"] = {u: float(s) for (u, _), s in zip(loads, dec.server_similarities)}
         return out
 
 

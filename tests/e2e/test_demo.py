@@ -84,14 +84,20 @@ def test_fast_demo_eldr_concentrates_labels(demo_run):
 
 def test_fast_demo_default_policy_balances_and_groups(demo_run):
     """The default policy: every request served, signatures used, at most 1.25x the mean
-    requests on a decode server, and labels less mixed than round robin's."""
+    requests on a decode server, and most requests on their most similar region.
+
+    Grouping is checked on the router's own scores, not on labels: on 32 requests over
+    16 labels the balanced policy's label entropy is within noise of round robin's (one
+    run 2.31 vs 2.68 bits, another 2.73 vs 2.68). A signature-blind balancer sends a
+    request to its most similar of 2 regions half the time: 21 or more of 32 has a
+    chance of about 5.5% for it."""
     done, out, _ = demo_run
     report = json.loads((out / "report.json").read_text())
-    rr, bal = report["policies"]["round_robin"], report["policies"]["eldr_balanced"]
+    bal = report["policies"]["eldr_balanced"]
     assert sum(bal["requests_per_server"]) == REQUESTS and bal["latency"]["completed"] >= REQUESTS - 1
     assert bal["router_counters"]["signatures_used"] >= REQUESTS, bal["router_counters"]
     assert bal["requests_max_over_mean"] <= 1.25, bal["requests_per_server"]
-    assert bal["label_entropy_bits"] < rr["label_entropy_bits"], (bal["label_mix"], rr["label_mix"])
+    assert bal["home_share"] is not None and bal["home_share"] >= 21 / 32, bal["home_share"]
 
 
 def test_fast_demo_leaves_no_process_behind(demo_run):

@@ -149,6 +149,9 @@ async def test_metrics_and_decision_log(caplog):
         dec = (await (await http.get(f"{url}/eldr/decisions?last=1")).json())[0]
         assert dec["band"] == [decodes[2].url] and dec["reason"] == "band"
         assert len(dec["similarities"]) == 4 and dec["best_similarity"] == pytest.approx(1.0)
+        sims = dec["server_similarities"]  # each decode server's region similarity, by URL
+        assert list(sims) == [d.url for d in decodes] and max(sims, key=sims.get) == dec["decode"]
+        assert sims[dec["decode"]] == pytest.approx(dec["best_similarity"])
 
 
 # ------------------------------------------------------------------ reliability
