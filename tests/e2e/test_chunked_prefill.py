@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 import urllib.request
 
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 
 from eldr_sglang.core.counts_codec import unpack_counts
 from eldr_sglang.testing import local_cluster as lc
-from tests.helpers import LOG_DIR, progress, started
+from tests.helpers import LOG_DIR, progress, started, wait_until
 
 pytestmark = pytest.mark.sglang
 PROMPT_TOKENS, CHUNK, TOP_K = 300, 64, 4  # the fixture model routes each token to 4 of 16 experts
@@ -83,10 +82,7 @@ def test_one_message_after_the_last_chunk_with_the_whole_prompt(chunked_prefill)
         return rid
 
     def first_message(room: int) -> dict:
-        t0 = time.monotonic()
-        while not listener.for_room(room):
-            assert time.monotonic() - t0 < 120, f"no message for room {room}"
-            time.sleep(0.05)
+        wait_until(lambda: listener.for_room(room), timeout=120, what=f"a message for room {room}", step=0.05)
         return listener.for_room(room)[0]
 
     base = 100 if chunked_prefill[1].extra_args[-1] == "--disable-overlap-schedule" else 0

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from eldr_sglang.testing.local_cluster import flush_cache, http_json, scrape_metrics
-from tests.helpers import TEST_ARTIFACT_LAYERS, greedy_generate, run_bench_serving
+from tests.helpers import TEST_ARTIFACT_LAYERS, greedy_generate, run_bench_serving, wait_until
 
 pytestmark = pytest.mark.sglang
 
@@ -162,10 +162,8 @@ def test_trace_mode_logs_join_into_calibration_traces(eldr_router, trace_dir, fi
         return {json.loads(line).get("rid") for f in trace_dir.glob(f"{kind}-*.jsonl")
                 for line in f.read_text().split("\n")[:-1] if line.strip()}  # complete lines
 
-    deadline = time.monotonic() + 60  # trace lines are written by a background thread: wait for them
-    while not (rids <= logged("prefill") and rids <= logged("decode")):
-        assert time.monotonic() < deadline, "trace lines not written"
-        time.sleep(0.1)
+    wait_until(lambda: rids <= logged("prefill") and rids <= logged("decode"), timeout=60,
+               what="the trace lines (written by a background thread)", step=0.1)
     out = tmp_path / "traces"
     proc = subprocess.run([sys.executable, "-m", "eldr_sglang.collect_traces", "--logs", str(trace_dir),
                            "--model", str(fixture_model), "--out", str(out)],
@@ -204,13 +202,12 @@ def test_router_started_without_artifact_converges_and_routes_by_signature(eldr_
         assert first["policy"] == "jsq"  # warming: by load
         for i in range(5):
             route(router.url, PROMPTS[(i + 1) % len(PROMPTS)] + f" ({i})")
-        deadline = time.monotonic() + 180
-        while True:
-            info = http_json(router.url + "/eldr/calibration")
-            if info["online"]["generation"] >= 1:
-                break
-            assert time.monotonic() < deadline, info["online"]
-            time.sleep(0.5)
+        info = {}
+
+        def fitted() -> bool:
+            info.update(http_json(router.url + "/eldr/calibration"))
+            return info["online"]["generation"] >= 1
+        wait_until(fitted, timeout=180, what="the first online fit", step=0.5)
         assert info["provenance"]["mode"] == "online" and info["policy"] == "eldr"
         assert info["artifact"]["layers"] == list(TEST_ARTIFACT_LAYERS)
         assert info["artifact"]["num_clusters"] == len(pd_cluster.decodes)

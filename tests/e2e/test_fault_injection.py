@@ -7,13 +7,13 @@ completes or gets a clear JSON error, none hangs, and routing recovers.
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from eldr_sglang.testing.local_cluster import http_json
+from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.sglang, pytest.mark.destructive]
 
@@ -34,12 +34,12 @@ def _request(url: str, i: int) -> str:
 def test_killing_a_decode_server_mid_load(eldr_router, pd_cluster):
     with ThreadPoolExecutor(max_workers=8) as pool:
         futures = [pool.submit(_request, eldr_router.url, i) for i in range(24)]
-        deadline = time.monotonic() + 60
-        while True:  # wait until a decode server holds requests (not a fixed sleep: CPUs vary)
-            time.sleep(0.5)
-            loads = {s["url"]: s["inflight"] for s in http_json(eldr_router.url + "/eldr/status")["decode"]}
-            if max(loads.values()) > 0 or time.monotonic() > deadline:
-                break
+        loads: dict[str, int] = {}
+
+        def held() -> bool:  # not a fixed sleep: CPUs vary
+            loads.update((s["url"], s["inflight"]) for s in http_json(eldr_router.url + "/eldr/status")["decode"])
+            return max(loads.values()) > 0
+        wait_until(held, timeout=60, what="a decode server holding requests", step=0.5)
         victim = next(p for p, _ in pd_cluster.decodes if p.url == max(loads, key=loads.get))
         assert loads[victim.url] > 0, loads  # it dies with requests in flight
         victim.stop(grace=0)  # SIGTERM then SIGKILL of the whole process group

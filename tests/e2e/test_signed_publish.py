@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 import urllib.request
 
 import numpy as np
@@ -15,7 +14,7 @@ import pytest
 
 from eldr_sglang.core import wire
 from eldr_sglang.testing import local_cluster as lc
-from tests.helpers import LOG_DIR, progress, started
+from tests.helpers import LOG_DIR, progress, started, wait_until
 
 pytestmark = pytest.mark.sglang
 KEY = b"e2e-signature-key"
@@ -82,10 +81,7 @@ def test_published_lines_are_signed_and_unlisted_destinations_never_connected(si
         threading.Thread(target=_post, args=(proc.url + "/generate", body), daemon=True).start()
 
     def wait_lines(n: int) -> None:
-        deadline = time.monotonic() + 120
-        while len(allowed.lines) < n:
-            assert time.monotonic() < deadline, f"{len(allowed.lines)} of {n} signature lines"
-            time.sleep(0.05)
+        wait_until(lambda: len(allowed.lines) >= n, timeout=120, what=f"{n} signature lines", step=0.05)
 
     send(21, f"tcp://127.0.0.1:{allowed.port}")
     wait_lines(1)

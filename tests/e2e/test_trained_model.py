@@ -6,7 +6,6 @@ expert counts."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 
 from eldr_sglang.core import ModelSpec
 from eldr_sglang.testing import local_cluster as lc
-from tests.helpers import LOG_DIR, ROOT, greedy_generate, progress, started
+from tests.helpers import LOG_DIR, ROOT, greedy_generate, progress, started, wait_until
 
 pytestmark = pytest.mark.sglang
 
@@ -96,10 +95,8 @@ def test_colocated_trace_mode_logs_prefill_and_decode(trained_server):
         return {r["rid"]: r for f in Path(trace_dir).glob(f"{kind}-*.jsonl")
                 for r in map(json.loads, (ln for ln in f.open() if ln.endswith("\n")))}
 
-    t0 = time.monotonic()  # trace lines are written by a background thread: wait for them
-    while not (set(rids) <= set(records("prefill")) and set(rids) <= set(records("decode"))):
-        assert time.monotonic() - t0 < 60, "trace lines not written"
-        time.sleep(0.1)
+    wait_until(lambda: set(rids) <= set(records("prefill")) and set(rids) <= set(records("decode")), timeout=60,
+               what="the trace lines (written by a background thread)", step=0.1)
     prefill, decode = records("prefill"), records("decode")
     for rid in rids:
         counts = np.array(prefill[rid]["counts"])
