@@ -181,8 +181,44 @@ def fat_expert_section(results_dir: Path) -> list[str]:
     return lines
 
 
+def fat_expert_pd_section(results_dir: Path) -> list[str]:
+    """The end-to-end PD run on the fat-expert model (``bench_real_cpu.py`` JSON)."""
+    path = results_dir / "fat_expert_pd.json"
+    if not path.is_file():
+        return []
+    r = json.loads(path.read_text())
+    pins = (f", decode servers pinned to cores {' and '.join(r['decode_cpus'])}" if r.get("decode_cpus") else "")
+    threads = f", OMP_NUM_THREADS={r['threads']}" if r.get("threads") else ""
+    return ["", "### MEASURED: end to end, PD cluster on the fat-expert model, bench_serving through the router", "",
+            f"`{r['command']}`: 1 prefill + {r['decodes']} decode real SGLang CPU servers on the fat-expert model"
+            f"{pins}{threads}; unmodified `sglang.bench_serving --dataset-name custom` on `{r['dataset']}` "
+            f"({r['num_prompts']} prompts, {r['output_len']} output tokens, {r['request_rate']} req/s), "
+            f"{r['repeats']} rounds with the paths interleaved (median and min-max over rounds). {r['measured']}.", "",
+            *real_cpu_table(r), "", *forward_time_reading(r)]
+
+
+def forward_time_reading(r: dict) -> list[str]:
+    """Per path, the decode forward time the servers logged, and whether the step-time fit
+    explains it (when it does not, TPOT differences are not locality's doing)."""
+    per: dict[str, list[float]] = {}
+    for run in r["runs"]:
+        per.setdefault(run["router"], []).extend(ms for _, _, ms in run["steps"] if ms is not None)
+    if not per:
+        return []
+    cells = "; ".join(f"{name} mean {sum(v) / len(v):.0f} ms, P99 {sorted(v)[int(0.99 * (len(v) - 1))]:.0f} ms"
+                      for name, v in per.items() if v)
+    lines = [f"Decode forward time per step, all rounds: {cells}."]
+    fit = r.get("step_time_fit")
+    if fit and fit["r2"] < 0.5:
+        lines.append(f"The fit explains R^2 {fit['r2']:.2f} of the forward time: on this machine the step time is "
+                     "set by contention between the servers sharing its cores, not by batch size and distinct "
+                     "experts, so the TPOT differences above cannot be credited to expert locality; the "
+                     "equal-batch distinct-expert column is the locality figure.")
+    return lines
+
+
 def render(traces_root: Path, workloads: list[str], results_dir: Path) -> str:
     lines = (trace_section(traces_root, workloads) + specialisation_section() + real_cpu_section(results_dir)
-             + fat_expert_section(results_dir)
+             + fat_expert_section(results_dir) + fat_expert_pd_section(results_dir)
              + long_decodes_section(results_dir) + state_aware_section(results_dir) + online_section(results_dir))
     return ("\n".join(lines) + "\n") if lines else ""

@@ -74,3 +74,13 @@ def test_real_cpu_core_lists_are_checked_before_anything_starts(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--decode-cpus", "0", "99"])
     assert "--decode-cpus: '99'" in capsys.readouterr().err
+
+
+def test_fat_pd_reading_says_when_the_fit_does_not_explain_step_time():
+    measured = load_measured()
+    runs = [{"router": "a", "steps": [[1, 10, 100.0], [2, 20, 300.0]]}, {"router": "b", "steps": [[1, 10, None]]}]
+    low = measured.forward_time_reading({"runs": runs, "step_time_fit": {"r2": 0.06}})
+    assert low[0] == "Decode forward time per step, all rounds: a mean 200 ms, P99 100 ms."
+    assert "R^2 0.06" in low[1] and "cannot be credited to expert locality" in low[1]
+    assert len(measured.forward_time_reading({"runs": runs, "step_time_fit": {"r2": 0.9}})) == 1
+    assert measured.forward_time_reading({"runs": [], "step_time_fit": None}) == []
