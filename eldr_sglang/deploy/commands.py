@@ -78,6 +78,25 @@ def assign_gpus(cluster: Cluster, role: Role, used: dict[str, set[int]]) -> list
     return out
 
 
+def publish_allow_args(cluster: Cluster, router_host: str) -> list[str]:
+    """``--eldr-publish-allow`` for the prefill servers: the router's host and the host it
+    advertises as its return address, so a client reaching a prefill server cannot make it
+    connect elsewhere. None when ``prefill.extra_args`` sets it, or when the router
+    advertises an address only known at run time (``$(POD_IP)``: ``kubernetes.publish_allow``)."""
+    if any(a.split("=")[0] == "--eldr-publish-allow" for a in cluster.prefill.extra_args):
+        return []
+    args = cluster.router.extra_args
+    hosts = [router_host]
+    for i, a in enumerate(args):
+        name, eq, value = a.partition("=")
+        if name == "--advertise-host":
+            value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            if "$(" in value:
+                return []
+            hosts.append(value)
+    return ["--eldr-publish-allow", ",".join(dict.fromkeys(h for h in hosts if h))]
+
+
 def build_launches(cluster: Cluster) -> list[Launch]:
     """Prefill servers, decode servers (centroid order), then the router."""
     used: dict[str, set[int]] = {n.name: set() for n in cluster.nodes}
@@ -112,7 +131,8 @@ def build_launches(cluster: Cluster) -> list[Launch]:
                 boot = role.bootstrap_port + slot
                 _claim(ports, node.host, boot, "prefill.bootstrap_port", name)
                 argv += ["--disaggregation-bootstrap-port", str(boot),
-                         "--eldr-calibration", cluster.calibration, "--eldr-publish", publish]
+                         "--eldr-calibration", cluster.calibration, "--eldr-publish", publish,
+                         *publish_allow_args(cluster, router_host)]
                 prefill_targets.append((f"http://{node.host}:{port}", boot))
             if role.kind == "decode" and role.ep_size > 1:
                 argv += ["--init-expert-location", str(PurePosixPath(role.placement_dir) / f"server-{i:02d}.json")]

@@ -100,11 +100,21 @@ def check_pods(cluster: Cluster, options: K8sOptions) -> list[str]:
                 f"kubernetes.node_selector: {where} {path} is mounted from the nodes (hostPath), so engine pods must "
                 "be held to nodes that have it: set kubernetes.node_selector (labels those nodes carry) or pass "
                 "--pin-nodes")
-    notes = signature_key_notes(cluster)
+    notes = signature_key_notes(cluster) + publish_allow_notes(cluster)
     if kube.host_network:
         notes.append("kubernetes.host_network: engine pods of one role listen on the same ports, so at most one "
                      "prefill and one decode pod fit on a node")
     return notes
+
+
+def publish_allow_notes(cluster: Cluster) -> list[str]:
+    """The warning when prefill pods would publish signatures to any destination a request names."""
+    if cluster.kubernetes.publish_allow or any(a.split("=")[0] == "--eldr-publish-allow"
+                                               for a in cluster.prefill.extra_args):
+        return []
+    return ["kubernetes.publish_allow is not set: prefill pods publish signatures to any destination a request "
+            "names (router replicas advertise their pod IPs, so no fixed host can be allowed); set it to the pod "
+            "network, e.g. publish_allow: [10.244.0.0/16]"]
 
 
 def signature_key_notes(cluster: Cluster) -> list[str]:
@@ -134,6 +144,8 @@ def in_cluster(cluster: Cluster, namespace: str, domain: str = "cluster.local") 
             nodes.append(Node(name, f"{name}-0.{service_name(cluster, role.kind)}.{suffix}", role.tp_size))
             pins.append(Pin(name, tuple(range(role.tp_size))))
         args = _with_flag(role.extra_args, ENGINE_KEY_FLAG, SIGNATURE_KEY_PATH) if keyed else role.extra_args
+        if role.kind == "prefill" and cluster.kubernetes.publish_allow:
+            args = _with_flag(args, "--eldr-publish-allow", ",".join(cluster.kubernetes.publish_allow))
         roles[role.kind] = replace(role, nodes=tuple(p.node for p in pins), servers=tuple(pins), extra_args=args)
     router = service_name(cluster, "router")
     nodes.append(Node(router, f"{router}.{suffix}", 0))

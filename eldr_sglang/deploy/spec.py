@@ -18,7 +18,7 @@ Schema (unknown keys are refused)::
 without it servers fill the role's nodes in order with the lowest free GPUs.
 ``kubernetes`` (optional; only ``deploy k8s`` reads it): the fields of :class:`Kubernetes`
 (``rdma_resource``, ``rdma_count``, ``host_network``, ``node_selector``,
-``signature_key_secret``), each documented in its field's ``help`` (the table in
+``signature_key_secret``, ``publish_allow``), each documented in its field's ``help`` (the table in
 docs/DEPLOY.md is generated from them: :mod:`~eldr_sglang.deploy.keys_doc`).
 """
 
@@ -27,6 +27,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
+
+from eldr_sglang.patches.publish_allow import parse_entries
 
 from eldr_sglang.core.policies import policy_names
 from eldr_sglang.router.config import RouterConfig
@@ -93,6 +95,10 @@ class Kubernetes:
               "mounted read-only at `/etc/eldr/signature-key` in every engine and router pod "
               "(`--eldr-signature-key-file`, `--signature-key-file`). Unset: the routers take unsigned "
               "signatures from anyone who reaches them, and `deploy k8s` warns")
+    publish_allow: tuple[str, ...] = _key(
+        (), "CIDRs or host names the prefill pods may publish signatures to (`--eldr-publish-allow`), e.g. "
+            "the pod network `10.244.0.0/16`: router replicas advertise their pod IPs. Unset: any destination, "
+            "and `deploy k8s` warns")
 
 
 @dataclass(frozen=True)
@@ -269,7 +275,18 @@ def _kubernetes(value: Any) -> Kubernetes:
     return Kubernetes(rdma_resource=None if rdma is None else _str(rdma, "kubernetes.rdma_resource"),
                       rdma_count=_int(m.get("rdma_count", 1), "kubernetes.rdma_count", 1),
                       host_network=_bool(m.get("host_network", False), "kubernetes.host_network"),
-                      node_selector=tuple(sorted(selector.items())), signature_key_secret=secret)
+                      node_selector=tuple(sorted(selector.items())), signature_key_secret=secret,
+                      publish_allow=_publish_allow(m.get("publish_allow", [])))
+
+
+def _publish_allow(value: Any) -> tuple[str, ...]:
+    """``kubernetes.publish_allow``: a list of CIDRs or host names, each checked as the engine checks it."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise DescriptionError("kubernetes.publish_allow: expected a list of CIDRs or host names")
+    try:
+        return tuple(parse_entries(",".join(value))) if value else ()
+    except ValueError as e:
+        raise DescriptionError(f"kubernetes.publish_allow: {e}") from None
 
 
 def _router(value: Any, node_names: list[str]) -> Router:
