@@ -162,6 +162,8 @@ def build_launches(cluster: Cluster) -> list[Launch]:
     argv += ["--host", r.host, "--port", str(r.port)]
     if r.signature_port is not None:
         argv += ["--signature-port", str(r.signature_port)]
+    if not any(a.split("=")[0] == "--advertise-host" for a in r.extra_args):
+        argv += ["--advertise-host", router_host]  # the return address the prefill allow-list names
     argv += list(r.extra_args)
     launches.append(Launch("router", r.node, router_host, (), (), tuple(argv), r.port))
     return launches

@@ -199,6 +199,9 @@ def check_commands(docs: list[dict], preset: str, namespace: str) -> None:
             assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in c["env"]
             command = command[:-2]
         argv = list(launch.argv)
+        if name == "router":  # dry-run: the router's node host, the one the prefill allow-list names
+            assert argv[-2:] == ["--advertise-host", launch.host]
+            del argv[-2:]
         if name.startswith("prefill"):  # dry-run pins the router's host; pods: kubernetes.publish_allow
             k = argv.index("--eldr-publish-allow")
             assert argv[k + 1] == cluster.node(cluster.router.node).host and "--eldr-publish-allow" not in command

@@ -31,11 +31,23 @@ def test_scripts_allow_only_the_router_host():
     assert allow.allows(router_host) and not allow.allows("203.0.113.9")
 
 
+def test_the_router_advertises_the_host_the_list_allows():
+    """Bound on 0.0.0.0, the router would advertise whatever its host name resolves to
+    (127.0.1.1 on many hosts), which the list would refuse."""
+    doc = load_description(preset=PRESET)
+    launches = build_launches(parse_cluster(doc))
+    (router,) = [l for l in launches if l.name == "router"]
+    allowed = {flag_value(list(l.argv), FLAG) for l in launches if l.name.startswith("prefill")}
+    assert allowed == {flag_value(list(router.argv), "--advertise-host")} == {router.host}
+
+
 def test_an_advertised_router_host_is_allowed_too_and_a_hand_given_list_is_kept():
     doc = load_description(preset=PRESET)
     router_host = next(n["host"] for n in doc["nodes"] if n["name"] == doc["router"]["node"])
     doc["router"]["extra_args"] = ["--advertise-host", "router.example"]
     assert set(prefill_flags(doc)) == {f"{router_host},router.example"}
+    (router,) = [l for l in build_launches(parse_cluster(doc)) if l.name == "router"]
+    assert list(router.argv).count("--advertise-host") == 1
     doc["prefill"]["extra_args"] = [FLAG, "10.0.0.0/8"]
     launches = [l for l in build_launches(parse_cluster(doc)) if l.name.startswith("prefill")]
     assert all(list(l.argv).count(FLAG) == 1 and flag_value(list(l.argv), FLAG) == "10.0.0.0/8" for l in launches)
