@@ -87,7 +87,7 @@ def test_fast_demo_default_policy_balances_and_groups(demo_run):
     requests on a decode server, and most requests on their most similar region.
 
     Grouping is checked on the router's own scores, not on labels: on 32 requests over
-    16 labels the balanced policy's label entropy is within noise of round robin's (one
+    8 labels the balanced policy's label entropy is within noise of round robin's (one
     run 2.31 vs 2.68 bits, another 2.73 vs 2.68). A signature-blind balancer sends a
     request to its most similar of 2 regions half the time: 21 or more of 32 has a
     chance of about 5.5% for it."""
