@@ -12,6 +12,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 from pathlib import PurePosixPath
+from typing import Sequence
 
 from .spec import Cluster, DescriptionError, Role
 from eldr_sglang.core.policies import policy_spec
@@ -78,23 +79,33 @@ def assign_gpus(cluster: Cluster, role: Role, used: dict[str, set[int]]) -> list
     return out
 
 
+def flag_value(argv: Sequence[str], flag: str) -> str | None:
+    """The last value of ``flag`` (``--flag v`` or ``--flag=v``) in ``argv``, else None."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def has_flag(argv: Sequence[str], flag: str) -> bool:
+    """``argv`` gives ``flag`` (``--flag v`` or ``--flag=v``)."""
+    return any(a.split("=")[0] == flag for a in argv)
+
+
 def publish_allow_args(cluster: Cluster, router_host: str) -> list[str]:
     """``--eldr-publish-allow`` for the prefill servers: the router's host and the host it
     advertises as its return address, so a client reaching a prefill server cannot make it
     connect elsewhere. None when ``prefill.extra_args`` sets it, or when the router
     advertises an address only known at run time (``$(POD_IP)``: ``kubernetes.publish_allow``)."""
-    if any(a.split("=")[0] == "--eldr-publish-allow" for a in cluster.prefill.extra_args):
+    if has_flag(cluster.prefill.extra_args, "--eldr-publish-allow"):
         return []
-    args = cluster.router.extra_args
-    hosts = [router_host]
-    for i, a in enumerate(args):
-        name, eq, value = a.partition("=")
-        if name == "--advertise-host":
-            value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
-            if "$(" in value:
-                return []
-            hosts.append(value)
-    return ["--eldr-publish-allow", ",".join(dict.fromkeys(h for h in hosts if h))]
+    advertised = flag_value(cluster.router.extra_args, "--advertise-host")
+    if advertised and "$(" in advertised:
+        return []
+    return ["--eldr-publish-allow", ",".join(dict.fromkeys(h for h in (router_host, advertised) if h))]
 
 
 def build_launches(cluster: Cluster) -> list[Launch]:
@@ -111,6 +122,7 @@ def build_launches(cluster: Cluster) -> list[Launch]:
     router_host = cluster.node(r.node).host
     publish = (f"tcp://{router_host}:{r.signature_port}" if r.signature_port is not None
                else f"http://{router_host}:{r.port}/eldr/signature")
+    allow = publish_allow_args(cluster, router_host)
     prefill_targets: list[tuple[str, int]] = []
     for role in (cluster.prefill, cluster.decode):
         for i, (node_name, gpus) in enumerate(assign_gpus(cluster, role, used)):
@@ -132,7 +144,7 @@ def build_launches(cluster: Cluster) -> list[Launch]:
                 _claim(ports, node.host, boot, "prefill.bootstrap_port", name)
                 argv += ["--disaggregation-bootstrap-port", str(boot),
                          "--eldr-calibration", cluster.calibration, "--eldr-publish", publish,
-                         *publish_allow_args(cluster, router_host)]
+                         *allow]
                 prefill_targets.append((f"http://{node.host}:{port}", boot))
             if role.kind == "decode" and role.ep_size > 1:
                 argv += ["--init-expert-location", str(PurePosixPath(role.placement_dir) / f"server-{i:02d}.json")]
@@ -162,7 +174,7 @@ def build_launches(cluster: Cluster) -> list[Launch]:
     argv += ["--host", r.host, "--port", str(r.port)]
     if r.signature_port is not None:
         argv += ["--signature-port", str(r.signature_port)]
-    if not any(a.split("=")[0] == "--advertise-host" for a in r.extra_args):
+    if not has_flag(r.extra_args, "--advertise-host"):
         argv += ["--advertise-host", router_host]  # the return address the prefill allow-list names
     argv += list(r.extra_args)
     launches.append(Launch("router", r.node, router_host, (), (), tuple(argv), r.port))

@@ -25,7 +25,7 @@ from typing import Callable
 
 import yaml
 
-from .commands import Launch, build_launches
+from .commands import Launch, build_launches, has_flag
 from .files import check_artifact
 from .image import default_image
 from .k8s_policy import disruption_budgets, network_policies
@@ -109,8 +109,7 @@ def check_pods(cluster: Cluster, options: K8sOptions) -> list[str]:
 
 def publish_allow_notes(cluster: Cluster) -> list[str]:
     """The warning when prefill pods would publish signatures to any destination a request names."""
-    if cluster.kubernetes.publish_allow or any(a.split("=")[0] == "--eldr-publish-allow"
-                                               for a in cluster.prefill.extra_args):
+    if cluster.kubernetes.publish_allow or has_flag(cluster.prefill.extra_args, "--eldr-publish-allow"):
         return []
     return ["kubernetes.publish_allow is not set: prefill pods publish signatures to any destination a request "
             "names (router replicas advertise their pod IPs, so no fixed host can be allowed); set it to the pod "
@@ -120,8 +119,7 @@ def publish_allow_notes(cluster: Cluster) -> list[str]:
 def signature_key_notes(cluster: Cluster) -> list[str]:
     """The loud warning when routers would take unsigned signatures: neither
     ``kubernetes.signature_key_secret`` nor a key file in ``router.extra_args``."""
-    if cluster.kubernetes.signature_key_secret is not None or any(
-            a.split("=")[0] == ROUTER_KEY_FLAG for a in cluster.router.extra_args):
+    if cluster.kubernetes.signature_key_secret is not None or has_flag(cluster.router.extra_args, ROUTER_KEY_FLAG):
         return []
     return ["kubernetes.signature_key_secret is not set: the routers' signature intake (the signature port and "
             "POST /eldr/signature) is UNAUTHENTICATED, anyone who reaches a router can post signatures for other "
@@ -158,7 +156,7 @@ def in_cluster(cluster: Cluster, namespace: str, domain: str = "cluster.local") 
 
 def _with_flag(args: tuple[str, ...], flag: str, value: str) -> tuple[str, ...]:
     """``args`` plus ``flag value`` unless the description already gives the flag."""
-    return args if any(a.split("=")[0] == flag for a in args) else (*args, flag, value)
+    return args if has_flag(args, flag) else (*args, flag, value)
 
 
 def build_manifests(cluster: Cluster, options: K8sOptions) -> tuple[dict[str, list[dict]], list[str]]:

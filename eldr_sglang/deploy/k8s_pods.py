@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from eldr_sglang.router.config import RouterConfig
 
-from .commands import Launch
+from .commands import Launch, flag_value
 from .spec import Cluster, Role
 
 GPU_RESOURCE = {"rocm": "amd.com/gpu", "cuda": "nvidia.com/gpu"}
@@ -29,17 +29,6 @@ ROUTER_LIVE = {"initialDelaySeconds": 10, "periodSeconds": 10, "timeoutSeconds":
 SIGNATURE_KEY_ITEM = "signature-key"
 SIGNATURE_KEY_PATH = "/etc/eldr/signature-key"
 ENGINE_KEY_FLAG, ROUTER_KEY_FLAG = "--eldr-signature-key-file", "--signature-key-file"
-
-
-def flag_value(argv: Sequence[str], flag: str) -> str | None:
-    """The last value of ``flag`` (``--flag v`` or ``--flag=v``) in ``argv``, else None."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
 
 
 def engine_ports(launch: Launch) -> list[tuple[str, int]]:
