@@ -4,7 +4,7 @@ Deployment. Commands, environment and ports come from the server's :class:`Launc
 from __future__ import annotations
 
 from pathlib import PurePosixPath
-from typing import Any, Sequence
+from typing import Any
 
 from eldr_sglang.router.config import RouterConfig
 
