@@ -110,6 +110,16 @@ def real_cpu_table(r: dict) -> list[str]:
     return lines
 
 
+def pd_run_setup(r: dict, servers: str) -> str:
+    """The setup sentence of a ``bench_real_cpu.py`` run: command, cluster, workload, rounds."""
+    pins = f", decode servers pinned to cores {' and '.join(r['decode_cpus'])}" if r.get("decode_cpus") else ""
+    threads = f", OMP_NUM_THREADS={r['threads']}" if r.get("threads") else ""
+    return (f"`{r['command']}`: 1 prefill + {r['decodes']} decode real SGLang CPU servers, {servers}{pins}{threads}; "
+            f"unmodified `sglang.bench_serving --dataset-name custom` on `{r['dataset']}` ({r['num_prompts']} "
+            f"prompts, {r['output_len']} output tokens, {r['request_rate']} req/s), {r['repeats']} rounds with the "
+            f"paths interleaved (median and min-max over rounds). {r['measured']}.")
+
+
 def real_cpu_section(results_dir: Path) -> list[str]:
     path = results_dir / "real_cpu.json"
     if not path.is_file():
@@ -118,10 +128,7 @@ def real_cpu_section(results_dir: Path) -> list[str]:
     if "summary" not in r:  # an older single-run file
         return []
     return ["## MEASURED: real SGLang PD cluster on CPU, bench_serving through each router\n",
-            f"`{r['command']}`: 1 prefill + {r['decodes']} decode real SGLang CPU servers, trained tiny MoE, "
-            f"unmodified `sglang.bench_serving --dataset-name custom` on `{r['dataset']}` ({r['num_prompts']} "
-            f"prompts, {r['output_len']} output tokens, {r['request_rate']} req/s), {r['repeats']} rounds with the "
-            f"paths interleaved (median and min-max over rounds). {r['measured']}. Distinct experts per decode step "
+            pd_run_setup(r, "trained tiny MoE") + " Distinct experts per decode step "
             "are summed over the model's MoE layers, measured inside the decode servers; they grow with batch size, "
             "which the policies change, hence the equal-batch column.\n", *real_cpu_table(r), ""]
 
@@ -187,13 +194,8 @@ def fat_expert_pd_section(results_dir: Path) -> list[str]:
     if not path.is_file():
         return []
     r = json.loads(path.read_text())
-    pins = (f", decode servers pinned to cores {' and '.join(r['decode_cpus'])}" if r.get("decode_cpus") else "")
-    threads = f", OMP_NUM_THREADS={r['threads']}" if r.get("threads") else ""
     return ["", "### MEASURED: end to end, PD cluster on the fat-expert model, bench_serving through the router", "",
-            f"`{r['command']}`: 1 prefill + {r['decodes']} decode real SGLang CPU servers on the fat-expert model"
-            f"{pins}{threads}; unmodified `sglang.bench_serving --dataset-name custom` on `{r['dataset']}` "
-            f"({r['num_prompts']} prompts, {r['output_len']} output tokens, {r['request_rate']} req/s), "
-            f"{r['repeats']} rounds with the paths interleaved (median and min-max over rounds). {r['measured']}.", "",
+            pd_run_setup(r, "fat-expert model"), "",
             *real_cpu_table(r), "", *forward_time_reading(r)]
 
 
