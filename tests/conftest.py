@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from eldr_sglang.testing import local_cluster as lc
-from tests.helpers import (GREEDY_NEW_TOKENS, LOG_DIR, ROOT, TEST_ARTIFACT_LAYERS, greedy_generate, progress,
+from tests.helpers import (GREEDY_NEW_TOKENS, LOG_DIR, ROOT, TEST_ARTIFACT_LAYERS, greedy_generate, progress, serving,
                            started)
 
 MODEL_DIR = Path(os.environ.get("ELDR_FIXTURE_MODEL", ROOT / ".cache" / "models" / "tiny-qwen3-moe"))
@@ -45,12 +45,8 @@ def single_server(fixture_model: Path):
     """One plain (non-PD) SGLang CPU server with the ELDR plugin capturing
     layers 1 and 3 (module scope: stopped before the PD servers start)."""
     spec = lc.ServerSpec(str(fixture_model), extra_args=["--eldr-layers", ",".join(map(str, TEST_ARTIFACT_LAYERS))])
-    proc = lc.start_server_ready(spec, LOG_DIR, "single", progress=progress)
-    started.append(proc)
-    try:
+    with serving(spec, "single") as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="session")

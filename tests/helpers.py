@@ -6,13 +6,15 @@ folder, started processes, greedy generation, bench_serving)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+import urllib.request
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -69,6 +71,29 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, what: str =
 def progress(name: str, elapsed: float) -> None:
     if int(elapsed) % 15 == 0:
         sys.stderr.write(f"[fixtures] waiting for {name}: {elapsed:.0f}s\n")
+
+
+@contextlib.contextmanager
+def serving(spec: lc.ServerSpec, name: str) -> Iterator[lc.ManagedProcess]:
+    """A real SGLang server for the block: started until ready (logs under ``LOG_DIR``),
+    listed in ``started`` (so the session tears it down and reports its log tail), stopped
+    on leaving the block."""
+    proc = lc.start_server_ready(spec, LOG_DIR, name, progress=progress)
+    started.append(proc)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def post_ignoring_errors(url: str, body: dict, timeout: float = 120.0) -> None:
+    """POST ``body`` as JSON and read the answer, whatever it is: a prefill server with no
+    decode server to take its KV answers an error once the transfer gives up."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=timeout).read()
+    except OSError:
+        pass
 
 
 def greedy_generate(url: str, prompt: str, max_new_tokens: int = GREEDY_NEW_TOKENS) -> list[int]:

@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import urllib.request
 
 import numpy as np
 import pytest
 
 from eldr_sglang.core.counts_codec import unpack_counts
 from eldr_sglang.testing import local_cluster as lc
-from tests.helpers import LOG_DIR, progress, started, wait_until
+from tests.helpers import post_ignoring_errors, serving, wait_until
 
 pytestmark = pytest.mark.sglang
 PROMPT_TOKENS, CHUNK, TOP_K = 300, 64, 4  # the fixture model routes each token to 4 of 16 experts
@@ -50,20 +49,8 @@ def chunked_prefill(request, fixture_model):
     if request.param == "no-overlap":
         extra.append("--disable-overlap-schedule")
     spec = lc.ServerSpec(str(fixture_model), role="prefill", extra_args=extra)
-    proc = lc.start_server_ready(spec, LOG_DIR, f"chunked-prefill-{request.param}", progress=progress)
-    started.append(proc)
-    try:
+    with serving(spec, f"chunked-prefill-{request.param}") as proc:
         yield proc, spec, listener
-    finally:
-        proc.stop()
-
-
-def _post(url: str, body: dict) -> None:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        urllib.request.urlopen(req, timeout=120).read()
-    except OSError:
-        pass  # no decode server ever takes the KV: the prefill answers an error later
 
 
 def test_one_message_after_the_last_chunk_with_the_whole_prompt(chunked_prefill):
@@ -78,7 +65,7 @@ def test_one_message_after_the_last_chunk_with_the_whole_prompt(chunked_prefill)
         body = {"input_ids": rng.integers(100, 30000, PROMPT_TOKENS).tolist(), "rid": rid,
                 "bootstrap_host": "127.0.0.1", "bootstrap_port": spec.bootstrap_port,
                 "bootstrap_room": room, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
-        threading.Thread(target=_post, args=(proc.url + "/generate", body), daemon=True).start()
+        threading.Thread(target=post_ignoring_errors, args=(proc.url + "/generate", body), daemon=True).start()
         return rid
 
     def first_message(room: int) -> dict:
@@ -97,4 +84,4 @@ def test_one_message_after_the_last_chunk_with_the_whole_prompt(chunked_prefill)
     assert counts.shape == (4, 16) and msgs[0]["prompt_tokens"] == PROMPT_TOKENS
     assert (counts.sum(axis=1) == TOP_K * PROMPT_TOKENS).all(), counts.sum(axis=1)
     for rid in rids:
-        _post(proc.url + "/abort_request", {"rid": rid})
+        post_ignoring_errors(proc.url + "/abort_request", {"rid": rid})

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from eldr_sglang.testing import local_cluster as lc
-from tests.helpers import LOG_DIR, TEST_ARTIFACT_LAYERS, progress, started
+from tests.helpers import TEST_ARTIFACT_LAYERS, serving
 
 pytestmark = pytest.mark.sglang
 
@@ -21,12 +21,8 @@ def single_server(fixture_model):
     ``--enable-return-routed-experts`` on."""
     spec = lc.ServerSpec(str(fixture_model), extra_args=[
         "--eldr-layers", ",".join(map(str, TEST_ARTIFACT_LAYERS)), "--enable-return-routed-experts"])
-    proc = lc.start_server_ready(spec, LOG_DIR, "selfcheck", progress=progress)
-    started.append(proc)
-    try:
+    with serving(spec, "selfcheck") as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def selfcheck(*argv: str) -> subprocess.CompletedProcess:

@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import urllib.request
 
 import numpy as np
 import pytest
 
 from eldr_sglang.core import wire
 from eldr_sglang.testing import local_cluster as lc
-from tests.helpers import LOG_DIR, progress, started, wait_until
+from tests.helpers import post_ignoring_errors, serving, wait_until
 
 pytestmark = pytest.mark.sglang
 KEY = b"e2e-signature-key"
@@ -49,20 +48,8 @@ def signing_prefill(fixture_model, tmp_path_factory):
     extra = ["--eldr-layers", "0,1", "--eldr-publish", "request", "--eldr-publish-allow", "127.0.0.1/32",
              "--eldr-signature-key-file", str(key_file)]
     spec = lc.ServerSpec(str(fixture_model), role="prefill", extra_args=extra)
-    proc = lc.start_server_ready(spec, LOG_DIR, "signed-publish", progress=progress)
-    started.append(proc)
-    try:
+    with serving(spec, "signed-publish") as proc:
         yield proc, spec
-    finally:
-        proc.stop()
-
-
-def _post(url: str, body: dict) -> None:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        urllib.request.urlopen(req, timeout=120).read()
-    except OSError:
-        pass  # no decode server ever takes the KV: the prefill answers an error later
 
 
 def test_published_lines_are_signed_and_unlisted_destinations_never_connected(signing_prefill):
@@ -78,7 +65,7 @@ def test_published_lines_are_signed_and_unlisted_destinations_never_connected(si
                 "bootstrap_host": "127.0.0.1", "bootstrap_port": spec.bootstrap_port, "bootstrap_room": room,
                 "sampling_params": {"max_new_tokens": 2, "temperature": 0,
                                     "custom_params": {wire.RETURN_ADDRESS_KEY: dest}}}
-        threading.Thread(target=_post, args=(proc.url + "/generate", body), daemon=True).start()
+        threading.Thread(target=post_ignoring_errors, args=(proc.url + "/generate", body), daemon=True).start()
 
     def wait_lines(n: int) -> None:
         wait_until(lambda: len(allowed.lines) >= n, timeout=120, what=f"{n} signature lines", step=0.05)
@@ -93,4 +80,4 @@ def test_published_lines_are_signed_and_unlisted_destinations_never_connected(si
     assert [json.loads(data)["bootstrap_room"] for _, data in split] == [21, 23]
     assert refused.connections == 0 and not refused.lines
     for rid in rids:
-        _post(proc.url + "/abort_request", {"rid": rid})
+        post_ignoring_errors(proc.url + "/abort_request", {"rid": rid})

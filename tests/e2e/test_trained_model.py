@@ -13,7 +13,7 @@ import pytest
 
 from eldr_sglang.core import ModelSpec
 from eldr_sglang.testing import local_cluster as lc
-from tests.helpers import LOG_DIR, ROOT, greedy_generate, progress, started, wait_until
+from tests.helpers import ROOT, greedy_generate, serving, wait_until
 
 pytestmark = pytest.mark.sglang
 
@@ -38,12 +38,8 @@ def trained_server(tmp_path_factory):
     trace_dir = tmp_path_factory.mktemp("trained-trace")
     spec = lc.ServerSpec(str(MODEL), extra_args=["--eldr-trace-dir", str(trace_dir), "--eldr-layers", "all",
                                                  "--dtype", "float32"])
-    proc = lc.start_server_ready(spec, LOG_DIR, "trained", progress=progress)
-    started.append(proc)
-    try:
+    with serving(spec, "trained") as proc:
         yield proc, trace_dir
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")
