@@ -18,6 +18,8 @@ from typing import Any, Optional
 import orjson
 from aiohttp import web
 
+from eldr_sglang.router import sampling
+
 OFF_LOOP_BYTES = 1 << 20  # bodies at least this large are parsed in the parser process
 ADMIN_BODY_BYTES = 64 << 10  # admin POSTs: server lists, a calibration path
 BULK_FIELDS = ("text", "input_ids", "input_embeds", "prompt", "messages")
@@ -120,6 +122,9 @@ def prepare(raw: bytes, endpoint: str, max_batch: int, split: bool = False) -> t
             validate_openai(endpoint, body, max_batch)
     except BadRequest as e:
         return "error", e.status, str(e)
+    refused = sampling.refusal(body, endpoint, pd=True)  # n > 1 cannot pass through PD
+    if refused:
+        return "error", 400, refused
     fragments = {}
     if split:
         fragments = {k: orjson.dumps(body.pop(k)) for k in BULK_FIELDS if k in body}

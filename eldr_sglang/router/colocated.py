@@ -38,7 +38,7 @@ from aiohttp import web
 
 from eldr_sglang.core.policies import PolicyContext, build_policy, least_loaded
 from eldr_sglang.prompts import Tokenizer, default_tokenizer_path, load_tokenizer
-from eldr_sglang.router import upstream
+from eldr_sglang.router import sampling, upstream
 from eldr_sglang.router.admin import AdminGate
 from eldr_sglang.router.bodies import BodyError, read_body
 from eldr_sglang.router.client_guard import ClientGuards
@@ -165,6 +165,9 @@ class ColocatedRouter:
             return self._bad(f"invalid JSON body: {e}")
         if not isinstance(body, dict):
             return self._bad("request body must be a JSON object")
+        refused = sampling.refusal(body, endpoint, pd=False)  # n > 1 passes; best_of > n does not
+        if refused:
+            return self._bad(refused)
         policy = self.policy
         try:
             items = self.predicted.token_ids(body, endpoint)
