@@ -15,7 +15,7 @@ from pathlib import PurePosixPath
 from typing import Sequence
 
 from .spec import Cluster, DescriptionError, Role
-from eldr_sglang.core.policies import policy_spec
+from eldr_sglang.core.policies import policy_spec, reads_artifact
 
 VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "rocm": "HIP_VISIBLE_DEVICES"}
 
@@ -167,9 +167,10 @@ def build_launches(cluster: Cluster) -> list[Launch]:
         if launch.name.startswith("decode-"):
             argv += ["--decode", launch.url]
     argv += ["--policy", r.policy]
-    if policy_spec(r.policy).needs_artifact:
+    spec = policy_spec(r.policy)
+    if reads_artifact(spec):  # the default (eldr_balanced) too: without it, it routes blind
         argv += ["--calibration", cluster.calibration]
-        if r.tau is not None:  # else the artifact's tau (set by calibrate) applies
+        if r.tau is not None and spec.needs_artifact:  # else the artifact's tau (set by calibrate) applies
             argv += ["--tau", f"{r.tau:g}"]
     argv += ["--host", r.host, "--port", str(r.port)]
     if r.signature_port is not None:

@@ -400,7 +400,8 @@ class Dispatcher:
             child.inc()
         if dec.band is not None:
             self._band.observe(len(dec.band))
-            self._best.observe(dec.best_similarity)
+            if dec.best_similarity is not None:  # cost-only decisions have none
+                self._best.observe(dec.best_similarity)
         level = self.decision_level
         if decision_logger.isEnabledFor(level):
             decision_logger.log(

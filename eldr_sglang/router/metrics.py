@@ -16,10 +16,13 @@ Latency definitions (seconds):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+import logging
+from typing import Any, Optional
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, generate_latest)
+
+logger = logging.getLogger("eldr_sglang.router")
 
 _FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
          0.25, 0.5, 1.0, 2.0, 5.0)
@@ -43,7 +46,11 @@ class Deferred:
     def __init__(self, target: Any) -> None:
         self.target, self.pending = target, []
 
-    def observe(self, value: float) -> None:
+    def observe(self, value: Optional[float]) -> None:
+        """Queue ``value``; ``None`` (no value, e.g. a decision without a similarity)
+        is skipped here, so it can never break a later scrape."""
+        if value is None:
+            return
         self.pending.append(value)
         if len(self.pending) >= self.FLUSH_AT:
             self.flush()
@@ -51,7 +58,10 @@ class Deferred:
     def flush(self) -> None:
         pending, self.pending = self.pending, []
         for v in pending:
-            self.target.observe(v)
+            try:
+                self.target.observe(v)
+            except (TypeError, ValueError):  # one bad value never costs the others or the scrape
+                logger.error("dropped a non-numeric histogram observation %r", v)
 
 
 @dataclass(slots=True)

@@ -13,7 +13,8 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
-from eldr_sglang.core.policies import Policy, PolicyContext, PolicySpec, build_policy, policy_spec
+from eldr_sglang.core.policies import (Policy, PolicyContext, PolicySpec, build_policy, policy_spec,
+                                       reads_artifact)
 from eldr_sglang.router.config import RouterConfig
 from eldr_sglang.router.metrics import RouterMetrics
 from eldr_sglang.router.signatures import SignatureEncoder
@@ -63,6 +64,11 @@ class RoutingState:
         self.config, self.pool, self.metrics = config, pool, metrics
         self.domain_map = domain_map or {}
         self.spec = policy_spec(config.policy)  # the configured policy
+        if (artifact is None and reads_artifact(self.spec) and not self.spec.needs_artifact
+                and not (config.online or config.calibration_watch)):
+            logger.warning("policy %s routes requests to the decode server whose calibration region "
+                           "they match, but no artifact was given (--calibration): it routes by cost "
+                           "alone, ELDR locality is OFF", self.spec.name)
         self.routing = self.build(self.spec,
                                   SignatureEncoder(artifact) if artifact is not None else None,
                                   config.calibration if artifact is not None else None)

@@ -259,3 +259,23 @@ def test_generated_flags_parse_with_sglang_and_late_binding_check():
     handle_deprecated_dp_attention(args)
     with pytest.raises(ValueError, match="attention tensor parallelism greater than one"):
         _validate_prefill_complete(args)
+
+
+@pytest.mark.parametrize("policy", [None, "eldr_balanced", "balanced", "state_aware", "eldr"])
+def test_router_gets_the_artifact_for_every_policy_that_reads_one(policy):
+    """The default policy (eldr_balanced, also when the description omits the policy)
+    routes by the artifact's centroids: without --calibration it runs signature-blind."""
+    doc = load_description(preset=P30B)
+    if policy is None:
+        doc["router"].pop("policy")
+    else:
+        doc["router"]["policy"] = policy
+    r = list(build_launches(parse_cluster(doc))[-1].argv)
+    assert flag(r, "--calibration") == doc["calibration"]
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "jsq"])
+def test_blind_policies_get_no_artifact(policy):
+    doc = load_description(preset=P30B)
+    doc["router"]["policy"] = policy
+    assert "--calibration" not in build_launches(parse_cluster(doc))[-1].argv

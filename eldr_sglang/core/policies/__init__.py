@@ -11,7 +11,7 @@ import pkgutil
 
 from eldr_sglang.core.policies.base import (Decision, Policy, PolicyContext, PolicySpec, RouteRequest,
                                             build_policy, least_loaded, make_policy, policy_names,
-                                            policy_spec, register_policy)
+                                            policy_spec, reads_artifact, register_policy)
 
 for _m in pkgutil.iter_modules(__path__):
     if _m.name != "base":
@@ -25,6 +25,6 @@ from eldr_sglang.core.policies.state_aware import StateAwarePolicy, StepCost  # 
 POLICY_NAMES = tuple(policy_names())
 
 __all__ = ["Decision", "Policy", "PolicyContext", "PolicySpec", "RouteRequest", "build_policy",
-           "least_loaded", "make_policy", "policy_names", "policy_spec", "register_policy",
+           "least_loaded", "make_policy", "policy_names", "policy_spec", "reads_artifact", "register_policy",
            "RandomPolicy", "RoundRobinPolicy", "JSQPolicy", "P2CPolicy", "DomainPolicy",
            "CentroidOwnership", "EldrPolicy", "StateAwarePolicy", "StepCost", "POLICY_NAMES"]

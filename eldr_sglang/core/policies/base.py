@@ -168,10 +168,16 @@ class PolicySpec:
     name: str
     build: Callable[[PolicyContext], Policy]
     aliases: tuple[str, ...] = ()
-    needs_artifact: bool = False  # centroids from a calibration artifact
+    needs_artifact: bool = False  # centroids from a calibration artifact (refused without one)
+    uses_artifact: bool = False  # reads centroids when given (routes blind without them)
     needs_domain_map: bool = False  # a label -> servers map
     rebuild_on_reload: bool = False  # a calibration reload builds it again from the new artifact
     summary: str = ""
+
+
+def reads_artifact(spec: PolicySpec) -> bool:
+    """The policy routes by a calibration artifact's centroids (needs or uses one)."""
+    return spec.needs_artifact or spec.uses_artifact
 
 
 _REGISTRY: dict[str, PolicySpec] = {}

@@ -105,5 +105,5 @@ class EldrBalancedPolicy(StateAwarePolicy):
 
 register_policy(PolicySpec(
     "eldr_balanced", lambda ctx: EldrBalancedPolicy(ctx.num_servers, centroids=ctx.centroids),
-    aliases=("balanced",), rebuild_on_reload=True,
+    aliases=("balanced",), uses_artifact=True, rebuild_on_reload=True,
     summary="least decode-time cost; within 2% of it, the most similar calibration region (default)"))

@@ -186,5 +186,5 @@ class StateAwarePolicy(Policy):
 
 register_policy(PolicySpec(
     "state_aware", lambda ctx: StateAwarePolicy(ctx.num_servers, centroids=ctx.centroids),
-    aliases=("cost",),
+    aliases=("cost",), uses_artifact=True,
     summary="least predicted increase of decode time given each server's live batch"))
