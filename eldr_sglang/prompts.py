@@ -41,9 +41,11 @@ class Tokenizer:
         return list(self.hf.encode(text))
 
     def chat(self, messages: list) -> list[int]:
-        if getattr(self.hf, "chat_template", None):
-            ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        if getattr(self.hf, "chat_template", None):  # content parts as text, as SGLang gives a string template
+            msgs = [{**m, "content": _content(m)} if isinstance(m, dict) and isinstance(m.get("content"), list)
+                    else m for m in messages]
+            ids = self.hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            return list(ids if isinstance(ids, list) else ids["input_ids"])  # transformers 5: a BatchEncoding
         return self.encode("\n".join(_content(m) for m in messages))
 
 
