@@ -127,6 +127,12 @@ class StateAwarePolicy(Policy):
             self.free = np.delete(self.free, index, axis=0)
             self.free_sum = np.delete(self.free_sum, index)
 
+    def expected_unique(self) -> np.ndarray:
+        """[N] expected distinct experts of each server's live batch (published layers)."""
+        if self.free is None:
+            return np.zeros(len(self.servers))
+        return self.dim - self.free_sum
+
     # ------------------------------------------------------------ decision
     def _added_experts(self, p: np.ndarray) -> list[float]:
         """[N] expected distinct experts ``p`` adds to each server's batch: one matvec."""
