@@ -2,13 +2,14 @@
 
     python -m eldr_sglang.deploy presets
     python -m eldr_sglang.deploy check   (CLUSTER.yaml | --preset NAME) [--skip-files]
-    python -m eldr_sglang.deploy dry-run (CLUSTER.yaml | --preset NAME)
-    python -m eldr_sglang.deploy scripts (CLUSTER.yaml | --preset NAME) --out DIR
+    python -m eldr_sglang.deploy dry-run (CLUSTER.yaml | --preset NAME) [--skip-files]
+    python -m eldr_sglang.deploy scripts (CLUSTER.yaml | --preset NAME) --out DIR [--skip-files]
     python -m eldr_sglang.deploy k8s     (CLUSTER.yaml | --preset NAME) --out DIR [--namespace NS] [--image IMAGE]
 
-``check`` validates the description and (unless ``--skip-files``) the calibration
-artifact and placement files it names; ``dry-run`` prints every command per node;
-``scripts`` writes one ``NODE.sh`` per node; ``k8s`` writes Kubernetes manifests
+Every subcommand validates the description and (unless ``--skip-files``) the
+calibration artifact and placement files it names; ``check`` stops there,
+``dry-run`` prints every command per node, ``scripts`` writes ``NODE.sh`` and
+``NODE-stop.sh`` per node (:mod:`.scripts`); ``k8s`` writes Kubernetes manifests
 (``kubectl apply -f DIR``), reading the calibration artifact into a ConfigMap: like
 ``check``, a missing or unfitting artifact is an error. A bad description prints
 ``error: FIELD: ...`` and exits with status 2.
@@ -17,16 +18,14 @@ artifact and placement files it names; ``dry-run`` prints every command per node
 from __future__ import annotations
 
 import argparse
-import os
-import stat
 import sys
-from pathlib import Path
 from typing import Sequence
 
 from .commands import Launch, build_launches
 from .files import check_files
 from .k8s import K8sOptions, build_manifests, signature_key_notes, write_manifests
 from .presets import load_description, preset_names
+from .scripts import write_scripts
 from .spec import Cluster, DescriptionError, parse_cluster
 
 
@@ -40,8 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
         source = p.add_mutually_exclusive_group(required=True)
         source.add_argument("description", nargs="?", help="cluster description YAML")
         source.add_argument("--preset", choices=preset_names(), help="a shipped description")
-        if name == "check":
-            p.add_argument("--skip-files", action="store_true", help="do not open the artifact and placement files")
+        if name != "k8s":  # k8s reads the artifact into a ConfigMap: always checked
+            p.add_argument("--skip-files", action="store_true",
+                           help="do not open the artifact and placement files (they are checked by default)")
         if name == "scripts":
             p.add_argument("--out", required=True, help="directory for NODE.sh scripts")
         if name == "k8s":
@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cluster = parse_cluster(load_description(args.description, args.preset))
         launches = build_launches(cluster)
-        notes = check_files(cluster) if args.command == "check" and not args.skip_files else []
+        notes = check_files(cluster) if args.command != "k8s" and not args.skip_files else []
         if args.command == "check":
             notes += signature_key_notes(cluster)
         if args.command == "k8s":
@@ -104,8 +104,10 @@ def summary(cluster: Cluster, launches: list[Launch]) -> str:
     n_decode = sum(l.name.startswith("decode-") for l in launches)
     gpus = sum(len(l.gpus) for l in launches)
     total = sum(n.gpus for n in cluster.nodes)
+    used = (f"{n_prefill + n_decode} of {total} server slots" if cluster.vendor == "cpu"
+            else f"{gpus} of {total} GPUs")
     return (f"ok {cluster.name}: {n_prefill} prefill + {n_decode} decode servers on {len(cluster.nodes)} nodes, "
-            f"{gpus} of {total} GPUs, router on {cluster.router.node}:{cluster.router.port}")
+            f"{used}, router on {cluster.router.node}:{cluster.router.port}")
 
 
 def render(cluster: Cluster, launches: list[Launch]) -> str:
@@ -117,34 +119,10 @@ def render(cluster: Cluster, launches: list[Launch]) -> str:
         mine = [l for l in launches if l.node == node.name]
         if not mine:
             continue
-        lines.append(f"\n# --- {node.name} ({node.host}, {node.gpus} GPUs) ---")
+        unit = "server slots" if cluster.vendor == "cpu" else "GPUs"
+        lines.append(f"\n# --- {node.name} ({node.host}, {node.gpus} {unit}) ---")
         lines.extend(l.shell() for l in mine)
     return "\n".join(lines)
-
-
-def write_scripts(cluster: Cluster, launches: list[Launch], out: str | os.PathLike) -> list[Path]:
-    """``NODE.sh`` per node: starts its servers in the background (logs in ``log_dir``), router last."""
-    folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for node in cluster.nodes:
-        mine = [l for l in launches if l.node == node.name]
-        if not mine:
-            continue
-        body = ["#!/usr/bin/env bash", f"# {cluster.name}: {node.name} ({node.host})", "set -euo pipefail",
-                *(f"# WARNING: {w}" for w in cluster.warnings), f"mkdir -p {cluster.log_dir}"]
-        for launch in mine:
-            if launch.name == "router":
-                servers = " ".join(l.url for l in launches if l.name != "router")
-                body += ["# the router starts once every server of the cluster answers /health",
-                         f"for url in {servers}; do until curl -sf \"$url/health\" > /dev/null; do sleep 10; done; done"]
-            body.append(launch.shell(cluster.log_dir))
-        body.append("wait")
-        path = folder / f"{node.name}.sh"
-        path.write_text("\n".join(body) + "\n")
-        path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-        paths.append(path)
-    return paths
 
 
 if __name__ == "__main__":

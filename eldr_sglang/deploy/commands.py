@@ -18,6 +18,14 @@ from .spec import Cluster, DescriptionError, Role
 from eldr_sglang.core.policies import policy_spec, reads_artifact
 
 VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "rocm": "HIP_VISIBLE_DEVICES"}
+# vendor cpu (docs/DEVELOPMENT.md, "CPU machines"): SGLang's CPU engine, its pool kept at ~2.5 GB
+CPU_ENV = (("SGLANG_USE_CPU_ENGINE", "1"),)
+CPU_ENGINE_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "16384",
+                   "--skip-server-warmup")
+CPU_DECODE_ARGS = ("--disaggregation-decode-retraction-backup", "none")
+# a CPU prefill takes seconds per request: the router waits that long for a signature, and a
+# busy CPU server answers /health slowly (the defaults, 10 s and 2 s, are GPU figures)
+CPU_ROUTER_ARGS = (("--signature-timeout", "60"), ("--health-timeout", "10"))
 
 
 @dataclass(frozen=True)
@@ -133,8 +141,10 @@ def build_launches(cluster: Cluster) -> list[Launch]:
             name = f"{role.kind}-{i}"
             _claim(ports, node.host, port, f"{role.kind}.port", name)
             argv = [cluster.python, "-m", "sglang.launch_server", "--model-path", cluster.model_path,
-                    "--host", "0.0.0.0", "--port", str(port), "--tp-size", str(role.tp_size),
+                    "--host", cluster.engine_host, "--port", str(port), "--tp-size", str(role.tp_size),
                     "--disaggregation-mode", role.kind, *pd, "--enable-metrics"]
+            if cluster.vendor == "cpu":
+                argv += [*CPU_ENGINE_ARGS, *(CPU_DECODE_ARGS if role.kind == "decode" else ())]
             if role.ep_size > 1:
                 argv += ["--ep-size", str(role.ep_size)]
             if role.tp_size > 1:
@@ -154,8 +164,10 @@ def build_launches(cluster: Cluster) -> list[Launch]:
                 metrics = role.metrics_port + slot
                 _claim(ports, node.host, metrics, f"{role.kind}.metrics_port", name)
                 argv += ["--eldr-metrics-port", str(metrics)]
-            argv += role.extra_args
-            env = ((VISIBLE_DEVICES[cluster.vendor], ",".join(map(str, gpus))), *role.env)
+            argv += _extra(argv, role.extra_args, f"{role.kind}.extra_args")
+            devices = (CPU_ENV if cluster.vendor == "cpu"
+                       else ((VISIBLE_DEVICES[cluster.vendor], ",".join(map(str, gpus))),))
+            env = (*devices, *role.env)
             launches.append(Launch(name, node_name, node.host, gpus, env, tuple(argv), port))
     _claim(ports, router_host, r.port, "router.port", "router")
     if r.signature_port is not None:
@@ -177,9 +189,24 @@ def build_launches(cluster: Cluster) -> list[Launch]:
         argv += ["--signature-port", str(r.signature_port)]
     if not has_flag(r.extra_args, "--advertise-host"):
         argv += ["--advertise-host", router_host]  # the return address the prefill allow-list names
-    argv += list(r.extra_args)
+    if cluster.vendor == "cpu":
+        for name, value in CPU_ROUTER_ARGS:
+            if not has_flag(r.extra_args, name):
+                argv += [name, value]
+    argv += _extra(argv, r.extra_args, "router.extra_args")
     launches.append(Launch("router", r.node, router_host, (), (), tuple(argv), r.port))
     return launches
+
+
+def _extra(argv: Sequence[str], extra: Sequence[str], field: str) -> list[str]:
+    """``extra`` (a role's ``extra_args``); DescriptionError when it repeats a generated flag:
+    the server would take the last one, silently replacing what the generator set."""
+    for arg in extra:
+        name = arg.split("=")[0]
+        if name.startswith("--") and has_flag(argv, name):
+            raise DescriptionError(f"{field}: {name} is generated ({name} {flag_value(argv, name)}); set it "
+                                   f"through its description key, or leave it out of extra_args")
+    return list(extra)
 
 
 def _claim(ports: dict[str, dict[int, str]], host: str, port: int, field: str, owner: str) -> None:

@@ -29,8 +29,8 @@ from .commands import Launch, build_launches, has_flag
 from .files import check_artifact
 from .image import default_image
 from .k8s_policy import disruption_budgets, network_policies
-from .k8s_pods import (ENGINE_KEY_FLAG, ROUTER_KEY_FLAG, SIGNATURE_KEY_ITEM, SIGNATURE_KEY_PATH, engine_ports,
-                       engine_statefulset, router_deployment, router_ports)
+from .k8s_pods import (ENGINE_KEY_FLAG, GPU_RESOURCE, ROUTER_KEY_FLAG, SIGNATURE_KEY_ITEM, SIGNATURE_KEY_PATH,
+                       engine_ports, engine_statefulset, router_deployment, router_ports)
 from .spec import Cluster, DescriptionError, Node, Pin
 
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # DNS-1035: Service names
@@ -162,6 +162,9 @@ def _with_flag(args: tuple[str, ...], flag: str, value: str) -> tuple[str, ...]:
 def build_manifests(cluster: Cluster, options: K8sOptions) -> tuple[dict[str, list[dict]], list[str]]:
     """{file name: [objects]} for ``kubectl apply -f DIR``, and notes for the operator (beside
     the description's own warnings); DescriptionError names the field."""
+    if cluster.vendor not in GPU_RESOURCE:
+        raise DescriptionError(f"vendor: {cluster.vendor!r}: Kubernetes manifests request GPUs "
+                               f"({' or '.join(sorted(GPU_RESOURCE))}); use `scripts` for a CPU cluster")
     check_names(cluster, options)
     try:
         _, notes = check_artifact(cluster, options.artifact)

@@ -2,12 +2,13 @@
 
 Schema (unknown keys are refused)::
 
-    name: str                      vendor: rocm | cuda       model_path: str
+    name: str                      vendor: rocm | cuda | cpu model_path: str
     calibration: str               # artifact path on the nodes (router + prefill servers)
     python: python                 log_dir: logs             transfer_backend: mooncake | mooncake_tcp
     ib_device: str | null          # --disaggregation-ib-device
+    engine_host: 0.0.0.0           # the servers' --host (e.g. 127.0.0.1 for a one-machine cluster)
     attention_dp_late_binding: false   # allow TP > 1 under late binding (see DEPLOY.md)
-    nodes: [{name, host, gpus}]
+    nodes: [{name, host, gpus}]    # vendor cpu: gpus = how many servers the node runs
     router: {node, port: 8000, signature_port: 8001, host: 0.0.0.0, policy: eldr_balanced, tau: (the artifact's), extra_args: []}
                                    # signature_port: null -> engines publish over HTTP instead
     prefill: {count, tp_size: 1, ep_size: 1, nodes: [names], port, bootstrap_port, metrics_port, servers, extra_args, env}
@@ -33,7 +34,7 @@ from eldr_sglang.patches.publish_allow import parse_entries
 from eldr_sglang.core.policies import policy_names
 from eldr_sglang.router.config import RouterConfig
 
-VENDORS = ("rocm", "cuda")
+VENDORS = ("rocm", "cuda", "cpu")  # cpu: SGLang's CPU engine, to try a deployment on one machine
 SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")  # DNS-1123 subdomain
 LATE_BINDING_BACKENDS = ("mooncake", "mooncake_tcp")
 
@@ -127,6 +128,7 @@ class Cluster:
     transfer_backend: str = "mooncake"
     ib_device: str | None = None
     attention_dp_late_binding: bool = False
+    engine_host: str = "0.0.0.0"
     kubernetes: Kubernetes = Kubernetes()
     warnings: list[str] = field(default_factory=list, compare=False)
 
@@ -135,7 +137,7 @@ class Cluster:
 
 
 _TOP = {"name", "vendor", "model_path", "calibration", "python", "log_dir", "transfer_backend", "ib_device",
-        "attention_dp_late_binding", "nodes", "router", "prefill", "decode", "kubernetes"}
+        "attention_dp_late_binding", "engine_host", "nodes", "router", "prefill", "decode", "kubernetes"}
 _ROLE = {"count", "tp_size", "ep_size", "nodes", "port", "servers", "extra_args", "env"}
 _PREFILL = _ROLE | {"bootstrap_port", "metrics_port"}
 _DECODE = _ROLE | {"metrics_port", "placement_dir", "num_redundant_experts"}
@@ -167,11 +169,25 @@ def parse_cluster(doc: Any) -> Cluster:
         transfer_backend=backend,
         ib_device=None if top.get("ib_device") is None else _str(top["ib_device"], "ib_device"),
         attention_dp_late_binding=_bool(top.get("attention_dp_late_binding", False), "attention_dp_late_binding"),
+        engine_host=_str(top.get("engine_host", "0.0.0.0"), "engine_host"),
         kubernetes=_kubernetes(top.get("kubernetes", {})),
     )
     for role in (cluster.prefill, cluster.decode):
         _check_parallelism(cluster, role)
+    if vendor == "cpu":
+        _check_cpu(cluster)
     return cluster
+
+
+def _check_cpu(cluster: Cluster) -> None:
+    """SGLang's CPU engine: one process per server, Mooncake over TCP (no RDMA)."""
+    if cluster.transfer_backend != "mooncake_tcp":
+        raise DescriptionError(f"transfer_backend: {cluster.transfer_backend!r} with vendor cpu; CPU servers "
+                               f"transfer KV over TCP: mooncake_tcp")
+    for role in (cluster.prefill, cluster.decode):
+        if role.tp_size != 1 or role.ep_size != 1:
+            raise DescriptionError(f"{role.kind}.tp_size: vendor cpu runs one process per server "
+                                   f"(tp_size 1, ep_size 1)")
 
 
 def _check_parallelism(cluster: Cluster, role: Role) -> None:

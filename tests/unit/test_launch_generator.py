@@ -93,22 +93,53 @@ def test_router_command_parses_with_the_router_cli():
 
 def test_dry_run_cli_and_scripts(tmp_path):
     # docs/DEPLOY.md: python -m eldr_sglang.deploy dry-run --preset ...
-    done = run_cli("dry-run", "--preset", P30B)
+    done = run_cli("dry-run", "--preset", P30B, "--skip-files")  # the presets' paths are placeholders
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("sglang.launch_server") == 24 and done.stdout.count("eldr_sglang.router") == 1
     assert "24 of 40 GPUs" in done.stdout
-    big = run_cli("dry-run", "--preset", P235B)
+    big = run_cli("dry-run", "--preset", P235B, "--skip-files")
     assert big.returncode == 0 and "40 of 40 GPUs" in big.stdout
     assert "refuses" in big.stderr and "attn-dp-size 4" in big.stderr  # the late-binding warning is loud
     assert run_cli("presets").stdout.split() == sorted([P235B, P30B] + [p for p in preset_names()
                                                                         if p not in (P30B, P235B)])
     # docs/DEPLOY.md: python -m eldr_sglang.deploy scripts --preset ... --out DIR
-    assert deploy_main(["scripts", "--preset", P30B, "--out", str(tmp_path)]) == 0
+    assert deploy_main(["scripts", "--preset", P30B, "--out", str(tmp_path), "--skip-files"]) == 0
     scripts = sorted(p.name for p in tmp_path.glob("*.sh"))
-    assert scripts == [f"mi300x-{i}.sh" for i in range(5)]
+    assert scripts == sorted([f"mi300x-{i}.sh" for i in range(5)] + [f"mi300x-{i}-stop.sh" for i in range(5)])
     node0 = (tmp_path / "mi300x-0.sh").read_text()
     assert node0.count("sglang.launch_server") == 8 and "eldr_sglang.router" in node0
-    assert node0.index("curl -sf") < node0.index("eldr_sglang.router")
+    assert node0.index("wait_healthy http://10.0.0.11") < node0.index("eldr_sglang.router")
+    for path in tmp_path.glob("*.sh"):  # valid bash
+        assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0, path.name
+
+
+@pytest.mark.parametrize("command", ["dry-run", "scripts"])
+def test_every_subcommand_checks_the_artifact(tmp_path, command, files_235b):
+    """dry-run and scripts refuse a missing artifact like check does (the placeholders need --skip-files)."""
+    out = ["--out", str(tmp_path / "out")] if command == "scripts" else []
+    missing = run_cli(command, "--preset", P30B, *out)
+    assert missing.returncode == 2 and missing.stderr.startswith("error: calibration: "), missing.stderr
+    work, doc = files_235b
+    assert run_cli(command, str(write(tmp_path, doc)), *out).returncode == 0
+    other = tmp_path / "other-model"  # the artifact was calibrated on another model
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"num_hidden_layers": 94, "num_experts": 128,
+                                                   "num_experts_per_tok": 8}))
+    bad = run_cli(command, str(write(tmp_path, {**doc, "model_path": str(other)}, "other.yaml")), *out)
+    assert bad.returncode == 2 and "calibration: the artifact is for model" in bad.stderr, bad.stderr
+
+
+@pytest.mark.parametrize("role,args,message", [
+    ("prefill", ["--disaggregation-decode-allocation-policy", "early"],
+     "prefill.extra_args: --disaggregation-decode-allocation-policy is generated"),
+    ("decode", ["--port=31999"], "decode.extra_args: --port is generated"),
+    ("router", ["--policy", "jsq"], "router.extra_args: --policy is generated"),
+])
+def test_extra_args_that_repeat_a_generated_flag_are_refused(tmp_path, role, args, message):
+    doc = preset_doc(P30B)
+    doc[role]["extra_args"] = args
+    done = run_cli("check", str(write(tmp_path, doc)), "--skip-files")
+    assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
 def preset_doc(name: str) -> dict:
