@@ -63,6 +63,9 @@ class Decision:
     best_similarity: Optional[float] = None  # eldr: s*
     server_similarities: Optional[np.ndarray] = None  # eldr: [N] max over owned centroids
     centroid_similarities: Optional[np.ndarray] = None  # eldr: [K], centroid order
+    # set when the policy could not decide by its own rule (e.g. "degenerate_cost") and fell
+    # back to the least loaded server; the router counts it as a fallback of that reason
+    fallback: Optional[str] = None
 
     def top(self, n: int = 3) -> list[tuple[int, float]]:
         """The ``n`` most similar servers as (index, similarity), best first."""

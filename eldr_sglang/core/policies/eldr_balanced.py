@@ -81,6 +81,8 @@ class EldrBalancedPolicy(StateAwarePolicy):
             raise ValueError(f"{n} loads for {len(self.servers)} servers")
         cand = self._capped(_candidates(n, allowed).tolist(), loads)
         costs = self._costs(request, loads)
+        if not math.isfinite(sum(costs)):  # never from this state; never an exception either
+            return self._fallback("degenerate_cost", loads, cand)
         cheapest = min(cand, key=costs.__getitem__)
         if self.ownership is None or request.signature is None:
             return Decision(cheapest, self.name, "cost" if request.activation is not None else "no_activation",
@@ -91,7 +93,8 @@ class EldrBalancedPolicy(StateAwarePolicy):
         csims = self.centroids @ sig
         server_sims = self.ownership.gather(csims)
         sims = server_sims.tolist()
-        limit = costs[cheapest] * (1.0 + self.cost_band)
+        best = costs[cheapest]
+        limit = best + abs(best) * self.cost_band  # holds the cheapest whatever its sign
         band = [i for i in cand if costs[i] <= limit]
         idx = max(band, key=lambda i: (sims[i], -costs[i]))
         return Decision(idx, self.name, "cost_band", tuple(band), sims[idx], server_sims, csims)

@@ -1,13 +1,22 @@
 """State-aware decode routing: price what each server is running right now.
 
 Every server keeps the expected expert activation of its live requests on the
-published layers: ``free[s] = prod_r (1 - p_r)`` over the requests it runs, where
-``p_r`` [n_sel * E] is request ``r``'s probability of using each expert in one
-decode step (its prefill counts / prompt tokens: a token routes to ``top_k``
-distinct experts per layer). A batch's expected distinct experts is then
-``sum(1 - free[s])`` (the simulator's expected-union formula), and a new request
-adds ``free[s] @ p`` of them: one [N, D] matvec per decision, ``free`` updated in
-place on :meth:`admit` / :meth:`release`.
+published layers, where ``p_r`` [n_sel * E] is request ``r``'s probability of using
+each expert in one decode step (its prefill counts / prompt tokens: a token routes to
+``top_k`` distinct experts per layer). The probability that no live request of server
+``s`` uses an expert is ``free[s] = prod_r (1 - p_r)``; a batch's expected distinct
+experts is ``U[s] = sum(1 - free[s])`` (the simulator's expected-union formula), and a
+new request adds ``dU = free[s] @ p`` of them: one [N, D] matvec per decision.
+
+The state is kept so that it cannot drift: ``log_free[s] = sum_r log(1 - p_r)`` in
+float64 (``p`` clamped to ``[0, P_MAX]``, so every term is finite), so a release is an
+exact subtraction of what its admit added; ``free`` (float32, for the matvec) and
+``U`` (float64, ``-sum(expm1(log_free))``) are derived from it for the servers that
+changed since the last decision. A server that empties is reset to exactly zero, and
+every :data:`RESET_EVERY` releases of a server its sums are recomputed from its live
+requests. (A float32 product multiplied on admit and divided on release underflowed
+under concentrated load and could not be divided back: a server's distinct experts
+went negative, its cost too, and it drew every request.)
 
 Score of joining server ``s`` = the increase of the total token time of its batch,
 ``(B + 1) t(B + 1, U + dU) - B t(B, U)`` with ``t = base + per_seq B + per_expert U``
@@ -15,20 +24,26 @@ Score of joining server ``s`` = the increase of the total token time of its batc
 batch is full (``B >= max_batch``: the request waits about ``(B - max_batch + 1)``
 steps). The cheapest allowed server wins; with an artifact, ties go to the higher
 centroid similarity. No calibration is needed without one, and it follows any
-number of servers.
+number of servers. A decision never raises on a valid request: probabilities that
+are not numbers are priced as zero, and costs that are not numbers (they cannot come
+from this state) are a counted fallback to the least loaded server (``Decision.fallback``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 import numpy as np
 
 from eldr_sglang.core.policies.base import (Decision, Policy, PolicySpec, _candidates,
-                                            register_policy)
+                                            least_loaded, register_policy)
 
-P_MAX = 1.0 - 1e-6  # an expert used by every token still leaves 1 - p > 0
+P_MAX = 1.0 - 1e-6  # an expert used by every token still leaves 1 - p > 0: log(1 - p) >= -13.8
+_P_MAX32 = np.float32(P_MAX)
+LOG_FREE_MIN = -80.0  # exp(log_free) is computed from max(log_free, this)
+RESET_EVERY = 4096  # releases of one server between two recomputes of its sums from its live requests
 
 
 @dataclass(frozen=True)
@@ -44,11 +59,31 @@ class StepCost:
     max_batch: int = 256
 
 
+class _Live:
+    """A live request's token: its server and the log(1 - p) its admit added."""
+
+    __slots__ = ("server", "log_q")
+
+    def __init__(self, server: "_Server", log_q: np.ndarray) -> None:
+        self.server, self.log_q = server, log_q
+
+
 class _Server:
-    __slots__ = ("live",)
+    __slots__ = ("live", "tokens", "releases")
 
     def __init__(self) -> None:
-        self.live = 0
+        self.live = 0  # live requests with an activation
+        self.tokens: set[_Live] = set()  # their tokens
+        self.releases = 0  # since the last recompute of its sums
+
+
+def unused_log(p: np.ndarray) -> np.ndarray:
+    """float32 ``log(1 - p)`` with ``p`` clamped to ``[0, P_MAX]`` (NaN and -inf: 0, +inf:
+    ``P_MAX``), so every term is finite and <= 0."""
+    q = np.fmax(p, np.float32(0.0))  # fmax: NaN -> 0
+    np.fmin(q, _P_MAX32, out=q)
+    np.negative(q, out=q)
+    return np.log1p(q, out=q)
 
 
 class StateAwarePolicy(Policy):
@@ -63,8 +98,11 @@ class StateAwarePolicy(Policy):
         self.cost = cost
         self.dim = dim
         self.servers = [_Server() for _ in range(num_servers)]
-        self.free: Optional[np.ndarray] = None  # [N, D] float32 prod (1 - p) over live requests
-        self.free_sum: Optional[np.ndarray] = None  # [N] float64 row sums of free (kept in step)
+        self.log_free: Optional[np.ndarray] = None  # [N, D] float64 sum of log(1 - p) over live requests
+        self.free: Optional[np.ndarray] = None  # [N, D] float32 exp(log_free), for the matvec
+        self.unique: Optional[np.ndarray] = None  # [N] float64 expected distinct experts
+        self._stale: set[int] = set()  # servers whose free/unique lag log_free
+        self.fallbacks: dict[str, int] = {}  # decisions that could not use the costs, by reason
         self.centroids = None
         if centroids is not None:
             c = np.asarray(centroids, dtype=np.float32)
@@ -74,10 +112,13 @@ class StateAwarePolicy(Policy):
 
     # ------------------------------------------------------------ state
     def _ensure(self, dim: int) -> None:
-        if self.free is None:
+        if self.log_free is None:
+            n = len(self.servers)
             self.dim = dim
-            self.free = np.ones((len(self.servers), dim), dtype=np.float32)
-            self.free_sum = np.full(len(self.servers), float(dim))
+            self.log_free = np.zeros((n, dim))
+            self.free = np.ones((n, dim), dtype=np.float32)
+            self.unique = np.zeros(n)
+            self._row = np.empty(dim)  # scratch row of _refresh
         elif dim != self.dim:
             raise ValueError(f"activation has {dim} dims, the policy tracks {self.dim}")
 
@@ -91,78 +132,139 @@ class StateAwarePolicy(Policy):
             return None
         p = self._vector(request.activation)
         self._ensure(p.size)
-        q = 1.0 - np.minimum(p, np.float32(P_MAX))
         s = self.servers[index]
-        row = self.free[index]
-        self.free_sum[index] -= float(np.dot(row, p))  # the experts this request adds
-        row *= q
+        tok = _Live(s, unused_log(p))
+        self.log_free[index] += tok.log_q
+        s.tokens.add(tok)
         s.live += 1
-        return (s, q)
+        self._stale.add(index)
+        return tok
 
     def release(self, token: Any) -> None:
         if token is None:
             return
-        s, q = token
+        s = token.server
+        if token not in s.tokens:  # released already
+            return
+        s.tokens.discard(token)
+        s.live -= 1
         try:
             i = self.servers.index(s)
         except ValueError:  # its server was removed meanwhile
             return
-        s.live -= 1
-        if s.live <= 0:
-            s.live = 0
-            self.free[i] = 1.0  # drop accumulated rounding
+        s.releases += 1
+        if not s.tokens:  # exactly idle
+            self.log_free[i] = 0.0
+            self.free[i] = 1.0
+            self.unique[i] = 0.0
+            s.releases = 0
+            self._stale.discard(i)
+            return
+        if s.releases >= RESET_EVERY:  # drop the rounding of many additions
+            self.log_free[i] = self._recomputed(s)
+            s.releases = 0
         else:
-            self.free[i] /= q
-        self.free_sum[i] = float(self.free[i].sum(dtype=np.float64))
+            self.log_free[i] -= token.log_q
+        self._stale.add(i)
 
-    def add_server(self) -> None:
-        self.servers.append(_Server())
-        if self.free is not None:
-            self.free = np.vstack([self.free, np.ones((1, self.dim), dtype=np.float32)])
-            self.free_sum = np.append(self.free_sum, float(self.dim))
+    @staticmethod
+    def _recomputed(s: _Server) -> np.ndarray:
+        """float64 sum of the live requests' log(1 - p), from scratch."""
+        total = None
+        for t in s.tokens:
+            total = t.log_q.astype(np.float64) if total is None else np.add(total, t.log_q, out=total)
+        return total
 
-    def remove_server(self, index: int) -> None:
-        self.servers.pop(index)
-        if self.free is not None:
-            self.free = np.delete(self.free, index, axis=0)
-            self.free_sum = np.delete(self.free_sum, index)
+    def _refresh(self) -> None:
+        """``free`` and ``unique`` of the servers that changed, from ``log_free``."""
+        stale = self._stale
+        if not stale:
+            return
+        rows = list(stale)
+        stale.clear()
+        # exp of a very negative number is both ~0 and slow (numpy leaves its SIMD path for
+        # results below the normal range): clamped at LOG_FREE_MIN, the error per expert
+        # is below e^-80 ~ 2e-35
+        if len(rows) == 1:
+            i = rows[0]
+            f = np.maximum(self.log_free[i], LOG_FREE_MIN, out=self._row)
+            np.exp(f, out=f)
+            self.unique[i] = self.dim - float(f.sum())
+            np.copyto(self.free[i], f, casting="same_kind")
+        else:
+            f = np.exp(np.maximum(self.log_free[rows], LOG_FREE_MIN))
+            self.unique[rows] = self.dim - f.sum(axis=1)
+            self.free[rows] = f
 
     def expected_unique(self) -> np.ndarray:
         """[N] expected distinct experts of each server's live batch (published layers)."""
-        if self.free is None:
+        if self.log_free is None:
             return np.zeros(len(self.servers))
-        return self.dim - self.free_sum
+        self._refresh()
+        return self.unique.copy()
+
+    def add_server(self) -> None:
+        self.servers.append(_Server())
+        if self.log_free is not None:
+            self.log_free = np.vstack([self.log_free, np.zeros((1, self.dim))])
+            self.free = np.vstack([self.free, np.ones((1, self.dim), dtype=np.float32)])
+            self.unique = np.append(self.unique, 0.0)
+
+    def remove_server(self, index: int) -> None:
+        self.servers.pop(index)
+        if self.log_free is not None:
+            self.log_free = np.delete(self.log_free, index, axis=0)
+            self.free = np.delete(self.free, index, axis=0)
+            self.unique = np.delete(self.unique, index)
+            self._stale = {i - (i > index) for i in self._stale if i != index}
 
     # ------------------------------------------------------------ decision
     def _added_experts(self, p: np.ndarray) -> list[float]:
-        """[N] expected distinct experts ``p`` adds to each server's batch: one matvec."""
-        return (self.free @ p).tolist()
+        """[N] expected distinct experts ``p`` adds to each server's batch: one matvec
+        (probabilities that are not numbers count as zero)."""
+        du = np.dot(self.free, p).tolist()
+        if not math.isfinite(sum(du)):
+            p = np.nan_to_num(p, nan=0.0, posinf=1.0, neginf=0.0)
+            du = np.dot(self.free, p).tolist()
+        return du
 
     def _costs(self, request, loads) -> list[float]:
         """Per-server score as Python floats (a loop over N beats ~15 small numpy calls)."""
         c = self.cost
         n = len(loads)
-        if request.activation is None or self.free is None:
-            du = u = [0.0] * n
+        if request.activation is None or self.log_free is None:
+            du = [0.0] * n
+            u = [0.0] * n if self.log_free is None else self._unique_list()
         else:
             p = self._vector(request.activation)
             self._ensure(p.size)
+            self._refresh()
             du = self._added_experts(p)
-            u = (self.dim - self.free_sum).tolist()
+            u = self.unique.tolist()
         base, ps, pe, mb = c.base_s, c.per_seq_s, c.per_expert_s, c.max_batch
         out = []
         for b, ui, dui in zip(loads, u, du):
+            # (b + 1) t1 - b t0 with t0 = base + ps b + pe u, t1 = t0 + ps + pe du
             t0 = base + ps * b + pe * ui
-            t1 = t0 + ps + pe * dui
-            score = (b + 1) * t1 - b * t0
+            score = t0 + (b + 1) * (ps + pe * dui)
             if b >= mb:  # a full batch: the request waits about (b - max_batch + 1) steps
-                score += (b - mb + 1) * t1
+                score += (b - mb + 1) * (t0 + ps + pe * dui)
             out.append(score)
         return out
+
+    def _unique_list(self) -> list[float]:
+        self._refresh()
+        return self.unique.tolist()
 
     def scores(self, request, loads) -> np.ndarray:
         """[N] predicted increase of total token time (s) if the request joins each server."""
         return np.asarray(self._costs(request, loads))
+
+    def _fallback(self, reason: str, loads, cand: list[int], sims=None) -> Decision:
+        """A decision the costs could not make: the least loaded candidate, counted."""
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+        idx = least_loaded(loads, np.asarray(cand, dtype=np.intp))
+        return Decision(idx, self.name, "fallback", fallback=reason, centroid_similarities=sims)
 
     def explain(self, request, loads, allowed=None) -> Decision:
         n = len(loads)
@@ -170,6 +272,8 @@ class StateAwarePolicy(Policy):
             raise ValueError(f"{n} loads for {len(self.servers)} servers")
         cand = _candidates(n, allowed).tolist()
         costs = self._costs(request, loads)
+        if not math.isfinite(sum(costs)):
+            return self._fallback("degenerate_cost", loads, cand)
         sims = None
         if self.centroids is not None and request.signature is not None:
             sims = self.centroids @ np.asarray(request.signature, dtype=np.float32).reshape(-1)
@@ -186,8 +290,9 @@ class StateAwarePolicy(Policy):
     def describe(self) -> dict:
         return {"policy": self.name, "cost": asdict(self.cost),
                 "live": [s.live for s in self.servers],
-                "expected_unique": (None if self.free is None
-                                    else (self.dim - self.free_sum).round(2).tolist())}
+                "expected_unique": (None if self.log_free is None
+                                    else self.expected_unique().round(2).tolist()),
+                "fallbacks": dict(self.fallbacks)}
 
 
 register_policy(PolicySpec(
