@@ -127,21 +127,37 @@ def _check_model_fields(obj: dict) -> None:
     if name is not None and (not isinstance(name, str) or len(name) > MAX_NAME_CHARS):
         raise ValueError(f"model_name must be a string of at most {MAX_NAME_CHARS} characters")
     model = obj.get("model")
-    if model is not None and (not isinstance(model, dict)
-                              or len(orjson.dumps(model)) > MAX_MODEL_BYTES):
-        raise ValueError(f"model must be an object of at most {MAX_MODEL_BYTES} bytes")
+    if model is not None:
+        try:
+            ok = isinstance(model, dict) and len(orjson.dumps(model)) <= MAX_MODEL_BYTES
+        except TypeError:  # nested deeper than orjson writes
+            ok = False
+        if not ok:
+            raise ValueError(f"model must be an object of at most {MAX_MODEL_BYTES} bytes")
+
+
+class Malformed(str):
+    """In :func:`preparse`'s answer: a message that failed validation, as its reason
+    (a short string, never the message's own bulk)."""
+
+
+MAX_MESSAGES = 1024  # messages in one body or line (publishers send batches of 64)
 
 
 def preparse(raw: bytes) -> Any:
-    """A body (or line) parsed, each message validated where it can be (its counts an
-    array); JSONDecodeError when not JSON. Malformed messages are left for the caller."""
+    """A body (or line) parsed, each message validated (its counts an array) or
+    replaced by a :class:`Malformed` reason, so what comes back from the parser
+    process is small to unpickle whatever was sent; JSONDecodeError when not JSON."""
     data = orjson.loads(raw)
-    for m in data if isinstance(data, list) else [data]:
+    if isinstance(data, list) and len(data) > MAX_MESSAGES:
+        return Malformed(f"{len(data)} messages in one body; at most {MAX_MESSAGES}")
+    msgs = data if isinstance(data, list) else [data]
+    for i, m in enumerate(msgs):
         try:
             parse_message(m)
-        except ValueError:
-            pass  # validated again, refused and counted on intake
-    return data
+        except ValueError as e:
+            msgs[i] = Malformed(str(e))  # refused and counted on intake
+    return msgs if isinstance(data, list) else msgs[0]
 
 
 def message_bytes(msg: dict) -> int:

@@ -9,7 +9,6 @@ most ``ADMIN_BODY_BYTES``).
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 import logging
 from typing import Any, Awaitable, Callable, Optional
@@ -18,6 +17,7 @@ import orjson
 from aiohttp import web
 
 from eldr_sglang.router.bodies import ADMIN_BODY_BYTES, ADMIN_BODY_KEY, BodyError, read_body
+from eldr_sglang.router.clients import bearer_equals
 from eldr_sglang.router.config import RouterConfig
 from eldr_sglang.router.decision_log import DecisionLog
 from eldr_sglang.router.metrics import RouterMetrics
@@ -54,8 +54,7 @@ class AdminGate:
     def allowed(self, request: web.Request) -> bool:
         token = self.config.admin_token
         if token:
-            got = request.headers.get("Authorization", "")
-            return hmac.compare_digest(got.encode(), f"Bearer {token}".encode())
+            return bearer_equals(request.headers.get("Authorization"), token)
         try:
             return ipaddress.ip_address((request.remote or "").split("%")[0]).is_loopback
         except ValueError:

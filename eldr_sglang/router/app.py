@@ -314,8 +314,30 @@ class Router:
                            "errors": self.watcher.errors} if self.watcher else None)}
 
     async def h_calibration_get(self, request: web.Request) -> web.Response:
-        return json_response({**self.calibration_info(),
-                              "policy_state": self.routing.policy.describe()})
+        """Admins (loopback, or ``--admin-token``) see everything; with ``--api-key`` or
+        ``--admin-token`` anyone else needs the API key, and sees no file paths, model
+        or layers (nor does an anonymous caller of a router without either)."""
+        if self.admin.allowed(request):
+            return json_response({**self.calibration_info(),
+                                  "policy_state": self.routing.policy.describe()})
+        if self.api_key and bearer_matches(request, self.api_key):
+            return json_response(self.calibration_summary())
+        if self.api_key or self.config.admin_token:
+            self.metrics.errors.labels("unauthorized").inc()
+            return unauthorized()
+        return json_response(self.calibration_summary())
+
+    def calibration_summary(self) -> dict:
+        """What a non-admin may see of the calibration: where it came from (offline or
+        online, not its file), the policy and tau, the checksum and the online state."""
+        info = self.calibration_info()
+        online = info.get("online")
+        return {"policy": info["policy"], "tau": info["tau"], "checksum": info["checksum"],
+                "calibrated": info["artifact"] is not None,
+                "provenance": ({"mode": info["provenance"].get("mode")}
+                               if info["provenance"] else None),
+                "online": ({k: online.get(k) for k in ("state", "generation", "fitting", "age_s")}
+                           if isinstance(online, dict) else None)}
 
     # ------------------------------------------------------------ lifecycle
     async def drain(self, timeout: float) -> bool:

@@ -4,8 +4,14 @@ event loop when big.
 orjson holds the GIL for a whole parse, so a thread would not free the event loop:
 a body over ``OFF_LOOP_BYTES`` is parsed and validated in a one-worker process, which
 hands back the small fields as a dict and the bulky ones (prompt text, token ids,
-messages) as JSON fragments (:class:`orjson.Fragment`) that are forwarded as they
-came, never turned into Python objects here.
+messages, and any other field or sampling parameter of ``FRAGMENT_BYTES`` or more)
+as JSON fragments (:class:`orjson.Fragment`) that are forwarded as they came, never
+turned into Python objects here. What comes back as Python objects is at most
+``RESIDUAL_BYTES`` (pickled), else the body is refused (400): no body, of any shape,
+costs the event loop more than unpickling that much.
+
+JSON nested deeper than orjson can write again (``MAX_DEPTH``; it reads up to 1024
+levels) is refused with 400, never a 500 when the body is forwarded.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import multiprocessing
+import pickle
 from typing import Any, Optional
 
 import orjson
@@ -20,9 +27,17 @@ from aiohttp import web
 
 from eldr_sglang.router import sampling
 
-OFF_LOOP_BYTES = 1 << 20  # bodies at least this large are parsed in the parser process
+OFF_LOOP_BYTES = 256 << 10  # bodies at least this large are parsed in the parser process
 ADMIN_BODY_BYTES = 64 << 10  # admin POSTs: server lists, a calibration path
 BULK_FIELDS = ("text", "input_ids", "input_embeds", "prompt", "messages")
+FRAGMENT_BYTES = 16 << 10  # in a big body, other values this large are forwarded as fragments
+RESIDUAL_BYTES = 256 << 10  # a big body's fields kept as Python objects, pickled: at most this
+KEPT_BYTES = 64 << 10  # 'rid' and 'stream' (read by the router): larger is refused
+MAX_DEPTH = 254  # orjson.dumps refuses deeper nesting (orjson.loads takes up to 1024)
+# fields the router reads or rewrites stay Python objects (a dict: its own values are
+# split the same way, one level down; None: kept whole, at most KEPT_BYTES)
+ROUTER_FIELDS: dict = {"rid": None, "stream": None, "custom_params": {},
+                       "sampling_params": {"custom_params": {}}}
 ADMIN_BODY_KEY = web.RequestKey("eldr_admin_body", bytes)  # an admin request's body, read
 
 
@@ -104,16 +119,60 @@ def validate_openai(endpoint: str, body: dict, limit: int) -> None:
         raise BadRequest("'messages' must be a non-empty list")
 
 
+def too_deep(raw: bytes, obj: Any) -> bool:
+    """Whether ``obj`` (parsed from ``raw``) nests deeper than orjson can write back.
+    Counting brackets is a C-speed pass; only a body with enough of them is written
+    once to see."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+        return False
+    try:
+        orjson.dumps(obj)
+    except TypeError:  # orjson.JSONEncodeError: "Recursion limit reached"
+        return True
+    return False
+
+
+def _split(obj: dict, spec: dict, path: tuple, out: dict, max_batch: int) -> None:
+    """Move ``obj``'s big values (JSON bytes) into ``out`` by path, keeping the
+    ``spec`` fields (see ``ROUTER_FIELDS``) as Python objects; BadRequest when a kept
+    field is too big."""
+    for key in list(obj):
+        value = obj[key]
+        sub = spec.get(key, False)
+        if sub is None:  # read by the router: kept whole, bounded
+            if len(orjson.dumps(value)) > KEPT_BYTES:
+                raise BadRequest(f"'{key}' is over {KEPT_BYTES} bytes of JSON")
+            continue
+        if isinstance(sub, dict) and isinstance(value, (dict, list)):  # rewritten by the router
+            items = value if isinstance(value, list) else [value]
+            if isinstance(value, list) and len(value) > max(max_batch, 1):
+                raise BadRequest(f"'{key}': {len(value)} items; this router takes at most "
+                                 f"{max_batch} (--max-batch)", 413)
+            for i, item in enumerate(items):
+                if isinstance(item, dict):
+                    _split(item, sub, path + ((key, i) if isinstance(value, list) else (key,)),
+                           out, max_batch)
+            continue
+        if isinstance(value, (dict, list, str)):
+            data = orjson.dumps(value)
+            if len(data) >= FRAGMENT_BYTES:
+                out[path + (key,)] = data
+                del obj[key]
+
+
 def prepare(raw: bytes, endpoint: str, max_batch: int, split: bool = False) -> tuple:
     """Parse and validate one client body: ``("ok", body, batch size, fragments)`` or
-    ``("error", status, message)``. ``split``: the bulky fields leave ``body`` as JSON
-    bytes in ``fragments`` (the parser process's answer stays small to unpickle)."""
+    ``("error", status, message)``. ``split``: the bulky fields, and any other big
+    value, leave ``body`` as JSON bytes in ``fragments`` ({path: bytes}; the parser
+    process's answer stays small to unpickle)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         return "error", 400, f"invalid JSON body: {e}"
     if not isinstance(body, dict):
         return "error", 400, "request body must be a JSON object"
+    if too_deep(raw, body):
+        return "error", 400, f"invalid JSON body: nested deeper than {MAX_DEPTH} levels"
     try:
         if endpoint == "generate":
             n = batch_size(body, max_batch)
@@ -125,10 +184,27 @@ def prepare(raw: bytes, endpoint: str, max_batch: int, split: bool = False) -> t
     refused = sampling.refusal(body, endpoint, pd=True)  # n > 1 cannot pass through PD
     if refused:
         return "error", 400, refused
-    fragments = {}
+    fragments: dict = {}
     if split:
-        fragments = {k: orjson.dumps(body.pop(k)) for k in BULK_FIELDS if k in body}
+        fragments = {(k,): orjson.dumps(body.pop(k)) for k in BULK_FIELDS if k in body}
+        try:
+            _split(body, ROUTER_FIELDS, (), fragments, max_batch)
+        except BadRequest as e:
+            return "error", e.status, str(e)
+        if len(pickle.dumps(body, pickle.HIGHEST_PROTOCOL)) > RESIDUAL_BYTES:
+            return "error", 400, (f"request body has too many small fields (over {RESIDUAL_BYTES} "
+                                  "bytes of them besides the prompt and big values)")
     return "ok", body, n, fragments
+
+
+def place_fragments(body: dict, fragments: dict) -> dict:
+    """Put each ``{path: JSON bytes}`` back into ``body`` as an :class:`orjson.Fragment`."""
+    for path, value in fragments.items():
+        obj = body
+        for step in path[:-1]:
+            obj = obj[step]
+        obj[path[-1]] = orjson.Fragment(value)
+    return body
 
 
 class BodyParser:
@@ -163,9 +239,7 @@ class BodyParser:
         if out[0] == "error":
             raise BadRequest(out[2], out[1])
         _, body, n, fragments = out
-        for key, value in fragments.items():
-            body[key] = orjson.Fragment(value)
-        return body, n
+        return place_fragments(body, fragments), n
 
     def close(self) -> None:
         if self.executor is not None:

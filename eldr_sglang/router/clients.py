@@ -22,10 +22,25 @@ OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 429: "rate_limit_error", 503: "service_unavailable"}
 
 
+def _header_bytes(value: str) -> bytes:
+    """A header value as the bytes that came (aiohttp decodes non-UTF-8 bytes to
+    surrogates, which a plain ``encode()`` refuses with UnicodeEncodeError)."""
+    return value.encode("utf-8", "surrogateescape")
+
+
+def bearer_equals(header: Optional[str], secret: str) -> bool:
+    """Whether an ``Authorization`` value is exactly ``Bearer <secret>`` (constant time;
+    any bytes, non-ASCII included, are just a mismatch)."""
+    try:
+        got = _header_bytes(header or "")
+    except UnicodeEncodeError:  # a lone surrogate that was not a decoded byte
+        return False
+    return hmac.compare_digest(got, f"Bearer {secret}".encode())
+
+
 def bearer_matches(request: web.Request, key: str) -> bool:
     """``Authorization: Bearer <key>`` exactly (constant-time comparison)."""
-    got = request.headers.get("Authorization", "")
-    return hmac.compare_digest(got.encode(), f"Bearer {key}".encode())
+    return bearer_equals(request.headers.get("Authorization"), key)
 
 
 def unauthorized() -> web.Response:

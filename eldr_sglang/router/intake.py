@@ -97,6 +97,10 @@ class SignatureIntake:
         errors = []
         enc = self.encoder()
         for m in msgs:
+            if isinstance(m, wire.Malformed):
+                errors.append(str(m))
+                self.refused("malformed", str(m), peer)
+                continue
             try:
                 parse_message(m)
                 if self.observer is not None:

@@ -1,0 +1,100 @@
+"""Round three of the hostile matrix (issue 35): every byte from the network bounded,
+every signature fresh, nothing leaks (stub workers)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+
+from eldr_sglang.core import wire
+from eldr_sglang.testing.stub_worker import topic_counts
+from tests.integration.helpers import cluster, post, until
+
+pytestmark = pytest.mark.timeout(90)
+
+
+async def raw_request(port: int, head: bytes, body: bytes = b"") -> tuple[int, bytes]:
+    """One raw HTTP/1.1 request (bytes as given, non-ASCII included): (status, whole answer)."""
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        w.write(head + body)
+        await w.drain()
+        data = await asyncio.wait_for(r.read(), 30)
+    finally:
+        w.close()
+    status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") else 0
+    return status, data
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+# ------------------------------------------------------------------ 7. non-ASCII Authorization
+async def test_non_ascii_authorization_is_refused_never_a_500():
+    async with cluster(n_decode=2, api_key="ck", admin_token="at") as (router, url, prefill, decodes, http):
+        body = b'{"text": "topic:0"}'
+        for path in (b"/generate", b"/v1/completions"):
+            st, raw = await raw_request(port_of(url), b"POST " + path + b" HTTP/1.1\r\nHost: x\r\n"
+                                        b"Authorization: Bearer \xff\xfe\r\nConnection: close\r\n"
+                                        b"Content-Length: %d\r\n\r\n" % len(body), body)
+            assert st == 401, raw
+            assert b"Traceback" not in raw and b"internal" not in raw
+        st, raw = await raw_request(port_of(url), b"GET /eldr/status HTTP/1.1\r\nHost: x\r\n"
+                                    b"Authorization: Bearer \xc3\xa9\xff\r\nConnection: close\r\n\r\n")
+        assert st == 403, raw
+        assert not prefill.requests
+
+
+# ------------------------------------------------------------------ 8. JSON too deep to re-serialise
+def nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize("depth", [300, 600, 1000])
+async def test_json_nested_deeper_than_it_can_be_forwarded_is_a_400(depth):
+    async with cluster(n_decode=2) as (router, url, prefill, decodes, http):
+        try:
+            orjson.loads(nested(depth))
+        except orjson.JSONDecodeError:
+            pytest.skip(f"orjson refuses depth {depth} itself")
+        cases = [("/generate", b'{"text": "topic:0", "junk": ' + nested(depth) + b"}"),
+                 ("/generate", b'{"text": "topic:0", "sampling_params": {"x": ' + nested(depth) + b"}}"),
+                 ("/v1/completions", b'{"prompt": "a", "junk": ' + nested(depth) + b"}"),
+                 ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": ' + nested(depth) + b"}]}")]
+        for path, body in cases:
+            st, raw = await post(http, url + path, body)
+            assert st == 400, (path, st, raw)
+            err = orjson.loads(raw)["error"]
+            message = err["message"] if path.startswith("/v1/") else err
+            assert "nested" in message or "JSON" in message, message
+        router.parser.off_loop_bytes = 100  # the same through the parser process
+        st, raw = await post(http, url + "/generate", cases[0][1])
+        assert st == 400, raw
+        # a signature message with a deep model object: 400, not a 500
+        msg = b'{"bootstrap_room": 1, "layers": [0, 1], "counts": [[1], [1]], "model": {"x": ' + nested(depth) + b"}}"
+        st, raw = await post(http, url + "/eldr/signature", msg)
+        assert st == 400, raw
+        assert not prefill.requests
+        assert router.metrics.value("errors", kind="bad_request") >= 4
+
+
+# ------------------------------------------------------------------ 12. GET /eldr/calibration
+async def test_calibration_view_needs_a_key_and_hides_the_path_from_non_admins(tmp_path):
+    from tests.integration.helpers import save_artifact
+
+    path = save_artifact(tmp_path / "secret-dir" / "art.json", 2) if (tmp_path / "secret-dir").mkdir() is None else None
+    async with cluster(n_decode=2, artifact=None, calibration=path, api_key="ck",
+                       admin_token="at") as (router, url, prefill, decodes, http):
+        async with http.get(f"{url}/eldr/calibration") as r:
+            raw = await r.read()
+            assert r.status in (401, 403) and b"secret-dir" not in raw, raw
+        async with http.get(f"{url}/eldr/calibration", headers={"Authorization": "Bearer ck"}) as r:
+            raw = await r.read()
+            assert r.status == 200 and b"secret-dir" not in raw and b"art.json" not in raw, raw
+            assert orjson.loads(raw)["policy"] == "eldr"
+        async with http.get(f"{url}/eldr/calibration", headers={"Authorization": "Bearer at"}) as r:
+            raw = await r.read()
+            assert r.status == 200 and orjson.loads(raw)["path"] == path, raw
