@@ -392,6 +392,12 @@ def prepare_server_args_around(original, argv, *args, **kwargs):
         if config.publish and mode != "prefill":
             raise FlagError(f"--eldr-publish: only a PD prefill server publishes signatures "
                             f"(this one has --disaggregation-mode {mode})")
+        policy = getattr(server_args, "disaggregation_decode_allocation_policy", None)
+        if config.publish and policy != "prefill_complete":
+            raise FlagError(f"--eldr-publish: the router picks the decode server after prefill (late binding), "
+                            f"which needs --disaggregation-decode-allocation-policy prefill_complete on every "
+                            f"server (this one has {policy}); without it each request waits the router's "
+                            f"whole --signature-timeout")
     except (FlagError, RuntimeError) as exc:
         sys.stderr.write(f"error: eldr-sglang: {exc}\n")
         raise SystemExit(2)

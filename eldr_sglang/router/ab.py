@@ -69,6 +69,9 @@ class SliceStats:
     errors: int = 0
     durations: list[float] = field(default_factory=list)
     engines: dict[str, dict[str, float]] = field(default_factory=dict)  # url -> counters at start
+    end: Optional[float] = None  # set when the slice closes
+    engines_end: dict[str, dict[str, float]] = field(default_factory=dict)
+    inflight: int = 0  # requests that arrived in it and have not ended
 
 
 class ABController:
@@ -82,6 +85,7 @@ class ABController:
         self.record, self.label = record, label
         self.engine_metrics = engine_metrics
         self.current: Optional[SliceStats] = None
+        self.closed: list[SliceStats] = []  # closed, written once their last request ended
         self.count = 0
         self.written: list[dict] = []
 
@@ -95,14 +99,27 @@ class ABController:
     def owns(self, routing: Routing) -> bool:
         return self.current is not None and routing is self.routings[self.current.index % len(self.routings)]
 
-    def request_done(self, routing: Routing, seconds: float, status: int) -> None:
-        """A client request that started with ``routing`` ended (any way)."""
+    def request_started(self, routing: Routing) -> Optional[SliceStats]:
+        """A client request arrived under ``routing``: the slice it belongs to (its token)."""
         cur = self.current
         if cur is None or not self.owns(routing):
-            return  # it arrived in an earlier slice
-        cur.requests += 1
-        cur.errors += status >= 400 or status == 0
-        cur.durations.append(seconds)
+            return None
+        cur.inflight += 1
+        return cur
+
+    def request_done(self, token: Optional[SliceStats], seconds: float, status: int) -> None:
+        """A client request ended (any way): it counts in the slice it arrived in, also
+        when it ends after that slice closed (a closed slice is written once its last
+        request ended, or at shutdown)."""
+        if token is None:
+            return
+        token.inflight -= 1
+        token.requests += 1
+        token.errors += status >= 400 or status == 0
+        token.durations.append(seconds)
+        if token.end is not None and token.inflight <= 0 and token in self.closed:
+            self.closed.remove(token)
+            self._write(self._record(token))
 
     async def _engines(self) -> dict[str, dict[str, float]]:
         """Engine counters now, per decode server (plugin endpoint and SGLang /metrics)."""
@@ -130,9 +147,25 @@ class ABController:
         self.current = SliceStats(self.arm_name(routing), index, time.time(), engines=engines)
         logger.info("A/B slice %d: policy %s for %.0f s", index, routing.name, self.slice_s)
 
-    def _close(self, engines: dict) -> dict:
+    def _close(self, engines: dict) -> None:
+        """Close the current slice at ``engines``' counters; written now, or when its last
+        request ends."""
         cur = self.current
-        end = time.time()
+        cur.end, cur.engines_end = time.time(), engines
+        if cur.inflight <= 0:
+            self._write(self._record(cur))
+        else:
+            self.closed.append(cur)
+
+    def _flush(self) -> None:
+        """Write every closed slice, requests still in flight or not (shutdown)."""
+        for old in self.closed:
+            self._write(self._record(old))
+        self.closed = []
+
+    @staticmethod
+    def _record(cur: SliceStats) -> dict:
+        end, engines = cur.end, cur.engines_end
         d = np.asarray(cur.durations) if cur.durations else np.zeros(0)
         rec: dict[str, Any] = {
             "slice": cur.index, "arm": cur.arm, "start": cur.start, "end": end,
@@ -145,8 +178,12 @@ class ABController:
         }
         tot: dict[str, float] = {}
         for url, now in engines.items():
-            before = cur.engines.get(url, {})
-            delta = {k: now[k] - before[k] for k in now if k in before}
+            before = cur.engines.get(url)
+            if not before:  # the server did not answer at the slice's start: no baseline
+                continue
+            # a series absent at the start was created during the slice (a labelled histogram
+            # has no samples before its first observation): it started at 0
+            delta = {k: now[k] - before.get(k, 0.0) for k in now}
             rec["decode"][url] = delta
             for k, v in delta.items():
                 tot[k] = tot.get(k, 0.0) + v
@@ -175,12 +212,13 @@ class ABController:
             while True:
                 await asyncio.sleep(self.slice_s)
                 engines = await self._engines()
-                self._write(self._close(engines))
+                self._close(engines)
                 index += 1
                 self._start(index, engines)
         except asyncio.CancelledError:
-            if self.current is not None and self.current.requests:
-                self._write(self._close(await asyncio.shield(self._engines())))
+            if self.current is not None and (self.current.requests or self.current.inflight):
+                self._close(await asyncio.shield(self._engines()))
+            self._flush()
             raise
 
     def describe(self) -> dict:

@@ -104,7 +104,9 @@ class Router:
                                       buffering=lambda: state.routing.policy.needs_signature,
                                       observer=self._observe if c.online or c.shadow_policy else None,
                                       parser=self.parser, body_timeout=c.client_body_timeout or None,
-                                      key=c.signature_key())
+                                      key=c.signature_key(),
+                                      api_key=c.api_key or os.environ.get("ELDR_API_KEY") or None)
+        self._warn_open_intake(c)
         log = self.intake.log  # one rate-limited warning log for the intake and the flow
         self.online = (OnlineController(c, m, state, self.runtime.spawn, log) if c.online else None)
         self.shadow = ShadowPolicy(state, m, c.shadow_policy) if c.shadow_policy else None
@@ -137,11 +139,30 @@ class Router:
             c, m, self.pool, self.board, self.parser, self.upstream, self.wait_limit, state,
             self.runtime, self.decisions, log, shadow=self.shadow, early=early,
             learns=self.online is not None,
+            on_start=self.ab.request_started if self.ab is not None else None,
             on_done=self.ab.request_done if self.ab is not None else None))
         self.info = InfoApi(c, self.pool, self.runtime)
         self.admin = AdminApi(c, m, self.decisions, status=self.status,
                               change_servers=self.change_servers, reload=self.reload_calibration,
                               fan_out=self.info.fan_out, online=self.online)
+
+    def _warn_open_intake(self, c: RouterConfig) -> None:
+        """Say at start who may post signature messages when no signature key is set."""
+        if self.intake.bearer is None and self.intake.key is not None:
+            return  # a signature key: only signed messages
+        where = "POST /eldr/signature" + (f" and the TCP port --signature-port {c.signature_port}"
+                                          if c.signature_port is not None else "")
+        if self.intake.bearer is not None:
+            logger.warning("no --signature-key-file (or ELDR_SIGNATURE_KEY): the signature intake (%s) "
+                           "takes messages authenticated with the client API key (Bearer, or "
+                           "signed with it as the HMAC key); give routers and engines a signature "
+                           "key of their own", where)
+        else:
+            logger.warning("the signature intake (%s) is OPEN: no --signature-key-file (or "
+                           "ELDR_SIGNATURE_KEY) and no --api-key, so anyone who reaches it can "
+                           "steer requests to a decode server of their choice; set a shared key "
+                           "on routers and engines, or keep the intake on a network only the "
+                           "engines reach", where)
 
     def _observe(self, msg: dict) -> None:
         """Every well-formed signature message: online calibration and shadow decisions."""

@@ -90,6 +90,8 @@ class Dispatcher:
         if not isinstance(fl, Flight):
             return fl
         p, status = self.p, 0
+        if p.on_start is not None:
+            fl.ab = p.on_start(fl.routing)
         try:
             resp = await self.serve(request, fl)
             status = resp.status
@@ -102,7 +104,7 @@ class Dispatcher:
             elapsed = time.perf_counter() - fl.t0
             p.metrics.deferred(p.metrics.request_duration, endpoint).observe(elapsed)
             if p.on_done is not None:
-                p.on_done(fl.routing, elapsed, status)
+                p.on_done(fl.ab, elapsed, status)
 
     async def serve(self, request: web.Request, fl: Flight) -> web.StreamResponse:
         """prepare -> prefill -> signature -> decide -> decode -> relay."""
@@ -309,23 +311,28 @@ class Dispatcher:
             p.wait_limit.observe(waited)
             p.metrics.event("signatures_used")
             p.state.last_layers = w.result().get("layers")
-            if wants_activation:
-                activations.append(activation(w.result()))
             if encoder is None:
-                if not wants_activation:
+                if wants_activation:
+                    activations.append(activation(w.result()))
+                else:
                     reasons.append("no_artifact")
                 continue
             try:
                 vectors.append(encoder.encode(w.result()))
             except ValueError as e:  # SignatureError: reason is its metric label
+                # its activation is of the same (rejected) layers: not used either
                 reason = getattr(e, "reason", "bad_counts")
                 reasons.append(reason)
                 p.metrics.errors.labels(f"signature_{reason}").inc()
                 p.log.warn(reason, "room %s: %s", w.result().get("bootstrap_room"), e)
-        for reason in reasons:
-            p.metrics.fallbacks.labels(reason).inc()
+                continue
+            if wants_activation:
+                activations.append(activation(w.result()))
+        if reasons:  # one decision, one fallback (a batch's rooms share it)
+            p.metrics.fallbacks.labels(reasons[0]).inc()
         p.metrics.signature_wait_limit.set(p.wait_limit.value)
-        return RouteRequest(combine(vectors), label, union(activations)), None, waited
+        return (RouteRequest(combine(vectors), label, union(activations),
+                             fallback=reasons[0] if reasons else None), None, waited)
 
     @staticmethod
     async def _await_rooms(waiters: list[asyncio.Future], prefill_task: asyncio.Task,
@@ -380,9 +387,10 @@ class Dispatcher:
         except (ValueError, IndexError) as e:  # e.g. a signature of other layers
             p.log.warn("policy_mismatch", "policy %s cannot route this request (%s); "
                        "least loaded", routing.name, e)
-            p.metrics.fallbacks.labels("policy_mismatch").inc()
             dec = Decision(least_loaded(loads, np.flatnonzero(allowed), self._fallback_rng),
-                           routing.name, "policy_error")
+                           routing.name, "policy_error", fallback="policy_mismatch")
+        if dec.fallback is not None and req.fallback is None:  # at most one per decision
+            p.metrics.fallbacks.labels(dec.fallback).inc()
         m = p.metrics
         self._choose.observe(time.perf_counter() - t0)
         d = decodes[dec.index]
@@ -390,7 +398,7 @@ class Dispatcher:
             kind = "blind"
         else:
             kind = ("signature" if (req.signature is not None or req.activation is not None)
-                    and dec.reason != "policy_error" else "fallback")
+                    and dec.fallback is None else "fallback")
         key = (routing.name, kind, d.url)
         children = self._decision_children.get(key)
         if children is None:  # labels() lookups cost microseconds: once per key
@@ -426,7 +434,8 @@ class Dispatcher:
         try:
             return policy.admit(index, route)
         except (ValueError, IndexError) as e:
-            self.p.metrics.fallbacks.labels("policy_mismatch").inc()
+            if route.fallback is None:  # at most one per decision
+                self.p.metrics.fallbacks.labels("policy_mismatch").inc()
             self.p.log.warn("policy_mismatch", "policy %s cannot take this signature: %s",
                             policy.name, e)
             return policy.admit(index, RouteRequest(label=route.label))

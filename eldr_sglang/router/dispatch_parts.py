@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import orjson
 
@@ -46,7 +46,9 @@ class DispatchParts:
     shadow: Optional["ShadowPolicy"] = None
     early: Optional[EarlyRoute] = None  # --binding early|auto: a route at arrival, or None
     learns: bool = False  # --online: every request's signature is watched
-    on_done: Optional[Callable[[Routing, float, int], None]] = None  # A/B: (arm, seconds, status)
+    # A/B: on_start(arm) at admission -> a token; on_done(token, seconds, status) when it ends
+    on_start: Optional[Callable[[Routing], Any]] = None
+    on_done: Optional[Callable[[Any, float, int], None]] = None
 
 
 @dataclass
@@ -86,6 +88,7 @@ class Flight:
     waited: float = 0.0  # seconds waited for the signature
     decode_sent: bool = False
     sent: set[int] = field(default_factory=set)  # ids of the workers the request was written to
+    ab: Any = None  # on_start's token (A/B)
 
     def on_sent(self, w: Worker) -> Callable[[], None]:
         return lambda: self.sent.add(id(w))

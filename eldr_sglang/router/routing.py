@@ -72,6 +72,12 @@ class RoutingState:
         self.routing = self.build(self.spec,
                                   SignatureEncoder(artifact) if artifact is not None else None,
                                   config.calibration if artifact is not None else None)
+        enc = self.routing.encoder
+        if enc is not None and reads_artifact(self.spec) and enc.centroids.shape[0] != len(pool.decodes):
+            logger.warning("the artifact has %d centroids for %d decode servers (calibrate with --clusters "
+                           "%d): %s", enc.centroids.shape[0], len(pool.decodes), len(pool.decodes),
+                           "some servers own several regions" if enc.centroids.shape[0] > len(pool.decodes)
+                           else "servers share regions")
         self.arms: list[Routing] = []
         self.arm: Optional[int] = None  # the A/B slice index in force
         self.last_layers: Optional[list[int]] = None  # layers of the last signature message

@@ -166,3 +166,36 @@ async def test_membership_changes_reach_every_ab_arm_and_the_shadow():
         await until(lambda: router.metrics.value("shadow_decisions") == 3, what="shadow outcomes")
         assert router.metrics.value("errors", kind="policy") == 0
         assert router.metrics.value("shadow_decisions", outcome="error") == 0
+
+
+async def test_requests_spanning_a_slice_boundary_count_in_their_arrival_slice(tmp_path):
+    """Decode answers take longer than a slice: every request still counts once, in the
+    slice it arrived in (the slice is written one slice later, or at shutdown)."""
+    record = tmp_path / "ab.jsonl"
+    sent = 0
+    async with cluster(n_decode=2, artifact=ToyArtifact(num_clusters=2), ab_policies="eldr,round_robin",
+                       ab_slice=0.3, ab_record=str(record), decode_kw={"latency": 0.45}) as (
+            router, url, prefill, decodes, http):
+        for batch in range(4):
+            results = await asyncio.gather(*(post(http, f"{url}/generate", {"text": f"topic:{i % 2} x"})
+                                             for i in range(3)))
+            assert all(status == 200 for status, _ in results)
+            sent += 3
+    recs = [json.loads(line) for line in record.read_text().splitlines()]
+    assert sum(r["requests"] for r in recs) == sent, recs
+
+
+def test_a_series_created_during_a_slice_counts_from_zero():
+    """SGLang's labelled TPOT/TTFT histograms have no samples before their first request:
+    absent at a slice's start means 0 (the engine answered), not 'no value'."""
+    from eldr_sglang.router.ab import ABController, SliceStats
+
+    tpot = "sglang:request_time_per_output_token_seconds"
+    s = SliceStats("eldr", 0, 100.0, requests=2, durations=[1.0, 2.0],
+                   engines={"d0": {"eldr_decode_steps_total": 10.0}, "d1": {}})
+    s.end = 110.0
+    s.engines_end = {"d0": {"eldr_decode_steps_total": 30.0, f"{tpot}_sum": 0.5, f"{tpot}_count": 5.0},
+                     "d1": {"eldr_decode_steps_total": 999.0}}  # d1 did not answer at the start
+    rec = ABController._record(s)
+    assert rec["tpot_mean_s"] == pytest.approx(0.1)
+    assert rec["decode_steps"] == 20.0 and "d1" not in rec["decode"]

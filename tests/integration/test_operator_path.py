@@ -47,3 +47,10 @@ async def test_policy_that_reads_an_artifact_warns_when_started_without_one(capl
     caplog.clear()
     Router([("http://127.0.0.1:1", BOOT_PORT)], ["http://127.0.0.1:2", "http://127.0.0.1:3"], "round_robin")
     assert not any("--calibration" in r.getMessage() for r in caplog.records)
+
+
+def test_a_centroid_count_other_than_the_decode_count_is_said_at_start(caplog):
+    caplog.set_level(logging.WARNING, logger="eldr_sglang.router")
+    Router([("http://127.0.0.1:1", BOOT_PORT)], ["http://127.0.0.1:2", "http://127.0.0.1:3"],
+           "eldr_balanced", artifact=ToyArtifact(num_clusters=3))
+    assert any("3 centroids for 2 decode servers" in r.getMessage() for r in caplog.records)
