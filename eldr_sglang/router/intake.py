@@ -12,6 +12,12 @@ must carry its HMAC (:mod:`eldr_sglang.core.wire`): unsigned is refused (HTTP 40
 wrongly signed too (403), both counted in ``eldr_router_signature_auth_refused``,
 before anything is parsed: a refused message never reaches the board or the online
 window. Without a key, a signed body or line is taken as it is (its MAC unchecked).
+
+Without a signature key but with the client API key (``--api-key``), the intake needs
+that key: ``Authorization: Bearer <api key>`` on ``POST /eldr/signature``, or the
+HMAC made with the API key as the signing key (HTTP header or TCP line prefix; the
+engines' ``--eldr-signature-key-file`` holding the API key). With neither key the
+intake is open to anyone who reaches it, and the router says so at start.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import orjson
 from aiohttp import web
 
 from eldr_sglang.router.bodies import BodyError, BodyParser, read_body
+from eldr_sglang.router.clients import bearer_matches
 from eldr_sglang.router.metrics import RouterMetrics
 from eldr_sglang.core import wire
 from eldr_sglang.core.wire import parse_message, preparse
@@ -59,9 +66,12 @@ class SignatureIntake:
                  buffering: Callable[[], bool],
                  observer: Optional[Callable[[dict], None]] = None,
                  parser: Optional[BodyParser] = None, body_timeout: Optional[float] = None,
-                 key: Optional[bytes] = None) -> None:
+                 key: Optional[bytes] = None, api_key: Optional[str] = None) -> None:
         self.board, self.metrics, self.max_bytes = board, metrics, max_bytes
-        self.key = key  # shared signing key: messages without its HMAC are refused
+        # shared signing key: messages without its HMAC are refused; without one, the
+        # client API key stands in (as a Bearer token on HTTP, or as the HMAC key)
+        self.bearer = api_key if key is None and api_key else None
+        self.key = key if key is not None else api_key.encode() if api_key else None
         self.parser = parser or BodyParser()
         self.body_timeout = body_timeout
         self.encoder = encoder  # the router's current encoder (it changes on reloads)
@@ -130,9 +140,15 @@ class SignatureIntake:
         except BodyError as e:
             self.refused("too_large" if e.status == 413 else "body_timeout", str(e), request.remote)
             return _json({"error": f"signature body: {e}"}, e.status)
-        refused = self.authentic(raw, request.headers.get(wire.MAC_HEADER), request.remote)
+        if self.bearer is not None and bearer_matches(request, self.bearer):
+            refused = None
+        else:
+            refused = self.authentic(raw, request.headers.get(wire.MAC_HEADER), request.remote)
         if refused == "unsigned":
-            return _json({"error": f"signature messages must be signed: {wire.MAC_HEADER} header missing"}, 401)
+            need = (f"{wire.MAC_HEADER} header missing" if self.bearer is None else
+                    f"send 'Authorization: Bearer <api key>' or the {wire.MAC_HEADER} header")
+            return _json({"error": f"signature messages must be signed: {need}"}, 401,
+                         {"WWW-Authenticate": "Bearer"} if self.bearer else None)
         if refused is not None:
             return _json({"error": f"{wire.MAC_HEADER} does not match the body under this router's key"}, 403)
         try:
@@ -195,5 +211,6 @@ class SignatureIntake:
             await self.server.wait_closed()
 
 
-def _json(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+def _json(obj: Any, status: int = 200, headers: Optional[dict] = None) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json",
+                        headers=headers)

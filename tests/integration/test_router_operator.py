@@ -57,7 +57,9 @@ def test_worker_api_key_from_the_environment(monkeypatch):
 
 
 async def test_client_api_key_guards_the_generate_routes():
-    async with cluster(n_decode=2, api_key="ck") as (router, url, prefill, decodes, http):
+    # no signature key: the intake takes the API key, so the engine signs with it
+    async with cluster(n_decode=2, api_key="ck", prefill_kw={"signature_key": b"ck"}) as (
+            router, url, prefill, decodes, http):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "ck"}):
             st, raw = await post(http, f"{url}/generate", {"text": "topic:0"}, headers=headers)
             assert st == 401 and "API key" in orjson.loads(raw)["error"]

@@ -98,3 +98,47 @@ async def test_calibration_view_needs_a_key_and_hides_the_path_from_non_admins(t
         async with http.get(f"{url}/eldr/calibration", headers={"Authorization": "Bearer at"}) as r:
             raw = await r.read()
             assert r.status == 200 and orjson.loads(raw)["path"] == path, raw
+
+
+# ------------------------------------------------------------------ 6. open intake
+def test_an_open_signature_intake_is_named_at_start(caplog):
+    from eldr_sglang.router.app import Router
+
+    with caplog.at_level("WARNING", logger="eldr_sglang.router"):
+        Router([("http://127.0.0.1:1", 8998)], ["http://127.0.0.1:2"], "round_robin", signature_port=0)
+    open_warnings = [r for r in caplog.records if "signature intake" in r.getMessage()]
+    assert len(open_warnings) == 1 and open_warnings[0].levelname == "WARNING"
+    assert "OPEN" in open_warnings[0].getMessage() and "--signature-port" in open_warnings[0].getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="eldr_sglang.router"):
+        Router([("http://127.0.0.1:1", 8998)], ["http://127.0.0.1:2"], "round_robin",
+               signature_key_file=__file__)
+    assert not [r for r in caplog.records if "signature intake" in r.getMessage()]
+
+
+async def test_with_an_api_key_and_no_signature_key_the_intake_needs_the_api_key():
+    async with cluster(n_decode=2, api_key="ck", signature_port=0, prefill_kw={"send_signature": False}) as (
+            router, url, prefill, decodes, http):
+        msg = wire.build_message(11, "r", 4, 0, [0, 1], topic_counts("topic:1"), packed=True)
+        body, headers = wire.http_body(msg)
+        async with http.post(f"{url}/eldr/signature", data=body, headers=headers) as r:
+            assert r.status == 401 and "Bearer" in (await r.json())["error"]
+        async with http.post(f"{url}/eldr/signature", data=body,
+                             headers={**headers, "Authorization": "Bearer wrong"}) as r:
+            assert r.status == 401
+        assert router.metrics.value("signature_messages") == 0 and not router.board.buffer
+        async with http.post(f"{url}/eldr/signature", data=body,
+                             headers={**headers, "Authorization": "Bearer ck"}) as r:
+            assert r.status == 200, await r.text()
+        body, headers = wire.http_body(wire.build_message(12, "r", 4, 0, [0, 1], topic_counts("topic:1"),
+                                                          packed=True), b"ck")
+        async with http.post(f"{url}/eldr/signature", data=body, headers=headers) as r:
+            assert r.status == 200, await r.text()  # signed with the API key
+        _, w = await asyncio.open_connection("127.0.0.1", router.intake.port)
+        w.write(wire.stream_lines([wire.build_message(13, "r", 4, 0, [0, 1], topic_counts("topic:1"))]))
+        w.write(wire.stream_lines([wire.build_message(14, "r", 4, 0, [0, 1], topic_counts("topic:1"))], b"ck"))
+        await w.drain()
+        await until(lambda: 14 in router.board.buffer, what="the signed line taken")
+        w.close()
+        assert 13 not in router.board.buffer
+        assert router.metrics.value("signature_auth_refused", reason="unsigned") >= 2
