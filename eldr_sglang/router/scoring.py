@@ -87,6 +87,8 @@ def decide(policy: Policy, route: RouteRequest, loads: Sequence[int],
            allowed: Optional[Sequence[bool]] = None) -> tuple[Decision, str]:
     """The policy's decision and the path it took (one of :data:`PATHS`)."""
     dec = policy.explain(route, loads, allowed)
+    if dec.fallback is not None:  # the policy could not use its own rule (e.g. degenerate_cost)
+        return dec, "fallback"
     if not getattr(policy, "needs_signature", False) and not getattr(policy, "uses_activation", False):
         return dec, "blind"
     return dec, "predicted" if route.signature is not None else "fallback"

@@ -49,6 +49,9 @@ class RouteRequest:
     # [n_sel, E] raw prefill counts of the published layers; read by policies that learn
     # their calibration online (the simulator's OnlineEldrPolicy)
     counts: Optional[np.ndarray] = None
+    # a fallback the router already counted for this request (e.g. "timeout": its signature
+    # did not come); a decision counts at most one
+    fallback: Optional[str] = None
 
 
 @dataclass(slots=True)  # not frozen: a frozen __init__ costs ~2 us per decision
