@@ -221,8 +221,11 @@ def print_variant_table(scores: dict, variant: str, auto: bool, n_requests: int)
 
 
 def plot_map(signatures: np.ndarray, km: BalancedKMeans, traces: TraceSet, path: str, seed: int,
-             max_points: int = 5000) -> None:
-    """PCA 2D of (a sample of) the signatures, one panel per label kind, centroids marked."""
+             max_points: int = 5000):
+    """PCA 2D of (a sample of) the signatures: the first panel colours each point by its
+    region (most similar centroid = the decode server the router's regions send it to),
+    one more panel per label kind; centroids numbered in decode order. Returns the figure
+    (saved to ``path`` and closed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -233,20 +236,31 @@ def plot_map(signatures: np.ndarray, km: BalancedKMeans, traces: TraceSet, path:
     idx = np.sort(rng.choice(len(signatures), min(max_points, len(signatures)), replace=False))
     pca = PCA(n_components=2, random_state=seed).fit(signatures[idx])
     points, centers = pca.transform(signatures[idx]), pca.transform(km.cluster_centers_)
-    kinds = sorted(traces.labels) or [None]
-    fig, axes = plt.subplots(1, len(kinds), figsize=(6.5 * len(kinds), 5.5), squeeze=False)
-    for ax, kind in zip(axes[0], kinds):
-        values = traces.labels[kind][idx] if kind else np.array(["all"] * len(idx))
-        for name in np.unique(values):
+    region = np.argmax(signatures[idx] @ np.asarray(km.cluster_centers_).T, axis=1)
+    panels = [("region", np.array([f"decode {k}" for k in region]))]
+    panels += [(kind, traces.labels[kind][idx]) for kind in sorted(traces.labels)]
+    var = pca.explained_variance_ratio_ * 100
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5.5), squeeze=False)
+    for ax, (kind, values) in zip(axes[0], panels):
+        names = sorted(np.unique(values), key=lambda v: (len(v), v))
+        for name in names:
             sel = values == name
-            ax.scatter(points[sel, 0], points[sel, 1], s=4, alpha=0.5, label=name or "(none)")
+            ax.scatter(points[sel, 0], points[sel, 1], s=4, alpha=0.5, label=f"{name} ({int(sel.sum())})")
         ax.legend(markerscale=3, fontsize=8, loc="best")
-        ax.scatter(centers[:, 0], centers[:, 1], marker="X", s=90, c="black", edgecolors="white")
-        ax.set_title(f"signatures by {kind or 'request'} (PCA; X = centroids)")
-    fig.suptitle(f"{traces.model.name}: {len(signatures)} signatures, K={km.n_clusters}")
+        ax.scatter(centers[:, 0], centers[:, 1], marker="X", s=110, c="black", edgecolors="white")
+        for k, (x, y) in enumerate(centers):  # centroid k = decode server k (the router's --decode order)
+            ax.annotate(str(k), (x, y), xytext=(6, 6), textcoords="offset points", fontsize=11,
+                        fontweight="bold")
+        ax.set_xlabel(f"PC 1 ({var[0]:.0f}% of variance)")
+        ax.set_ylabel(f"PC 2 ({var[1]:.0f}% of variance)")
+        ax.set_title("signatures by region = decode server" if kind == "region"
+                     else f"signatures by {kind}")
+    fig.suptitle(f"{traces.model.name}: {len(signatures)} signatures, K={km.n_clusters} "
+                 f"(X n = centroid n = decode server n)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return fig
 
 
 if __name__ == "__main__":

@@ -100,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         fail(PROG, str(exc))
     print(f"wrote {joined} trace records to {args.out} ({len(prefill) - joined} prefill-only, "
           f"{len(decode) - joined} decode-only records skipped)")
+    if args.labels:
+        unlabelled = sum(rid in decode and rid not in args.label_rids for rid in prefill)
+        if unlabelled:
+            print(f"warning: {unlabelled} of {joined} records have no line in {args.labels} (joined on rid): "
+                  f"e.g. SGLang's warm-up request, or traffic sent with random rids such as bench_serving's; "
+                  f"they are kept without labels", file=sys.stderr)
     return 0
 
 
@@ -112,6 +118,7 @@ def collect(args: argparse.Namespace) -> tuple[int, dict, dict]:
         raise InputError(f"--shard-size: expected an integer >= 1, got {args.shard_size}")
     spec = model_spec(args.model)
     labels = read_jsonl([args.labels], "--labels") if args.labels else {}
+    args.label_rids = set(labels)  # main() counts the records left without a label
     prefill = read_jsonl([f for d in args.logs for f in sorted(d.glob("prefill-*.jsonl"))])
     decode = read_jsonl([f for d in args.logs for f in sorted(d.glob("decode-*.jsonl"))])
     if not prefill or not decode:

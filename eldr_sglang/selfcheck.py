@@ -230,7 +230,13 @@ def check_routed(sig: Signature) -> str | None:
 def run_check(url: str, n_prompts: int = 3, timeout: float = 60.0, api_key: str | None = None,
               seed: int | None = None) -> str:
     """The OK line; CheckFailed with the reason otherwise."""
-    facts = server_facts(http_json(url + "/server_info", timeout=timeout, api_key=api_key))
+    info = http_json(url + "/server_info", timeout=timeout, api_key=api_key)
+    if isinstance(info.get("prefill"), list) and isinstance(info.get("decode"), list):
+        # the ELDR router's /server_info: its workers' answers, by role
+        raise CheckFailed("this is a router, not an engine: run the check against one of its prefill servers "
+                          "(PD) or a co-located server (its /server_info lists "
+                          f"{len(info['prefill'])} prefill and {len(info['decode'])} decode servers)")
+    facts = server_facts(info)
     if facts["mode"] == "decode":
         raise CheckFailed("a decode server computes no signatures; check its prefill servers "
                           "(decode statistics: scrape its --eldr-metrics-port)")

@@ -54,3 +54,14 @@ def test_a_centroid_count_other_than_the_decode_count_is_said_at_start(caplog):
     Router([("http://127.0.0.1:1", BOOT_PORT)], ["http://127.0.0.1:2", "http://127.0.0.1:3"],
            "eldr_balanced", artifact=ToyArtifact(num_clusters=3))
     assert any("3 centroids for 2 decode servers" in r.getMessage() for r in caplog.records)
+
+
+async def test_selfcheck_pointed_at_the_router_says_it_is_a_router(capsys):
+    import asyncio
+
+    from eldr_sglang import selfcheck
+
+    async with cluster(n_decode=2, policy="eldr_balanced") as (router, url, prefill, decodes, http):
+        rc = await asyncio.to_thread(selfcheck.main, [url, "--prompts", "1", "--timeout", "10"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "this is a router, not an engine" in out and "1 prefill and 2 decode" in out, out

@@ -109,3 +109,24 @@ def test_analyze_empty_dir_in_process(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--traces", str(tmp_path)])
     assert exit_info.value.code == 2 and "no shard-*.npz files" in capsys.readouterr().err
+
+
+def test_calibration_map_marks_regions_and_numbers_centroids_in_decode_order(trace_dir, tmp_path):
+    """The map's first panel colours each point by its region (most similar centroid =
+    decode server), every centroid carries its decode index, and the axes say what they are."""
+    from eldr_sglang.calibrate import plot_map
+    from eldr_sglang.core import BalancedKMeans, load_traces
+    from eldr_sglang.core.signature import SignatureBuilder
+
+    ts = load_traces(trace_dir[0])
+    sig = SignatureBuilder(layers=[0, 1, 2]).fit(ts).transform(ts)
+    km = BalancedKMeans(3, n_init=1, random_state=0).fit(sig)
+    fig = plot_map(sig, km, ts, str(tmp_path / "map.png"), seed=0)
+    region = fig.axes[0]
+    assert region.get_title() == "signatures by region = decode server"
+    assert sorted(t.get_text() for t in region.texts) == ["0", "1", "2"]
+    labels = [t.get_text() for t in region.get_legend().get_texts()]
+    assert [l.split(" (")[0] for l in labels] == ["decode 0", "decode 1", "decode 2"]
+    assert sum(int(l.split("(")[1].rstrip(")")) for l in labels) == len(sig)
+    assert region.get_xlabel().startswith("PC 1 (") and region.get_ylabel().startswith("PC 2 (")
+    assert len(fig.axes) == 1 + len(ts.labels)

@@ -3,6 +3,7 @@ no traceback. Each case runs the script's ``main(argv)``; one runs as a real pro
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -123,6 +124,24 @@ def test_collect_traces_errors(tmp_path, capsys):
     err = refused(collect_traces.main, ["--logs", str(logs), *base], capsys)
     assert "--logs: request a: decode decode_counts, decode output_tokens: required" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_collect_traces_counts_records_without_a_label(tmp_path, capsys):
+    """--labels joins on rid: records it has no line for (a warm-up request, bench_serving's
+    random rids) are counted aloud, not silently left unlabelled."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    counts = json.dumps([[1] * 128] * 4)  # the shipped model: 4 layers x 128 experts
+    pre = ''.join(f'{{"rid": "{r}", "layers": [0, 1, 2, 3], "counts": {counts}, "prompt_tokens": 4}}\n'
+                  for r in ("a", "b", "warmup"))
+    dec = ''.join(f'{{"rid": "{r}", "decode_counts": {counts}, "output_tokens": 2}}\n' for r in ("a", "b", "warmup"))
+    write(logs / "prefill-0.jsonl", pre)
+    write(logs / "decode-0.jsonl", dec)
+    labels = write(tmp_path / "labels.jsonl", '{"rid": "a", "task": "x"}\n{"rid": "b", "task": "y"}\n')
+    assert collect_traces.main(["--logs", str(logs), "--model", str(MODEL), "--out", str(tmp_path / "out"),
+                                "--labels", labels]) == 0
+    err = capsys.readouterr().err
+    assert "warning: 1 of 3 records have no line in" in err, err
 
 
 def test_calibrate_out_in_a_missing_directory(tmp_path, capsys):
