@@ -186,13 +186,13 @@ def pytest_collection_modifyitems(session, config, items):
     0. tests marked ``exclusive`` (the fast demo): they start their own cluster and
        need the machine to themselves, so they run before any other server starts;
     1. tests with their own module-scoped servers (``single_server``,
-       ``trained_server``, ``chunked_prefill``): those stop with their module,
+       ``trained_server``, ``chunked_prefill``, ``openai_router``): those stop with their module,
        before the shared PD cluster starts, so at most three servers run at once;
     2. everything else (the shared PD cluster starts with its first user);
     3. tests marked ``destructive`` (they kill servers of the shared cluster).
 
     Within a rank the collection order is kept."""
-    own_servers = {"single_server", "trained_server", "chunked_prefill"}
+    own_servers = {"single_server", "trained_server", "chunked_prefill", "openai_router"}
 
     def rank(item) -> int:
         if item.get_closest_marker("exclusive"):
