@@ -73,12 +73,29 @@ def build_parser() -> argparse.ArgumentParser:
         if f.metadata.get("flag"):
             p.add_argument(flag, action="store_true", default=default, help=help_text)
             continue
+        if f.metadata.get("repeat"):  # --policy-param NAME=VALUE, repeated
+            p.add_argument(flag, action="append", default=None, metavar="NAME=VALUE",
+                           help=f.metadata.get("help", "") + f" ({_param_list()})")
+            continue
         kind = next(t for t in (int, float, str) if t in getattr(hints[f.name], "__args__", (hints[f.name],)))
         choices = f.metadata.get("choices")
         if f.name == "policy":
             choices = policy_names(aliases=True)
         p.add_argument(flag, type=kind, default=default, choices=choices, help=help_text)
     return p
+
+
+def _param_list() -> str:
+    """Each policy's parameters and their defaults, for --help."""
+    from dataclasses import asdict
+
+    parts = []
+    for name in policy_names():
+        params = policy_spec(name).params
+        if fields(params):
+            parts.append(f"{name}: " + ", ".join(f"{k}={v}" for k, v in asdict(params()).items()))
+        # the others take none
+    return "; ".join(parts)
 
 
 def _load_config(path: str) -> dict:
@@ -124,6 +141,10 @@ def _config_defaults(p: argparse.ArgumentParser, cfg: dict) -> dict[str, Any]:
             value = [str(v) for v in (value if isinstance(value, list) else [value])]
         elif dest == "domain_map" and isinstance(value, dict):
             value = json.dumps(value)
+        elif dest == "policy_param":  # {name: value}, or NAME=VALUE strings
+            items = value.items() if isinstance(value, dict) else None
+            value = ([f"{k}={'none' if v is None else v}" for k, v in items] if items is not None
+                     else [str(v) for v in (value if isinstance(value, list) else [value])])
         if dest in _FIELDS:
             value = typed_value(dest, value)
         if a.choices is not None and value not in a.choices:
@@ -146,12 +167,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             p.error(f"--config {pre.config}: {e}")
         # repeatable flags would append to a default: the config's lists apply only
         # when the command line gives none
-        lists = {k: defaults.pop(k) for k in ("prefill", "decode") if k in defaults}
+        lists = {k: defaults.pop(k) for k in ("prefill", "decode", "policy_param") if k in defaults}
         p.set_defaults(**defaults)
     args = p.parse_args(argv)
     for k, v in lists.items():
-        if not getattr(args, k):
+        if k == "policy_param":  # the config's, then the command line's (a later NAME wins)
+            setattr(args, k, list(v) + list(args.policy_param or []))
+        elif not getattr(args, k):
             setattr(args, k, v)
+    args.policy_param = tuple(args.policy_param or ())
     if args.mode == "colocated":  # whole requests across plain servers (eldr_sglang.router.colocated)
         if not args.worker or args.prefill or args.decode:
             p.error("--mode colocated takes --worker URL (repeat), not --prefill/--decode")

@@ -89,10 +89,13 @@ class ColocatedRouter:
         self.predicted = PredictedRouting(artifact, tokenizer)
         centroids = np.asarray(artifact.centroids, dtype=np.float32) if artifact is not None else None
         art_tau = getattr(artifact, "tau", None)
+        for line in c.ignored_settings():
+            logger.warning("%s", line)
         ctx = PolicyContext(len(self.pool.decodes), seed=c.seed, tau=c.tau, centroids=centroids,
-                            artifact_tau=None if art_tau is None else float(art_tau))
+                            artifact_tau=None if art_tau is None else float(art_tau),
+                            params=c.policy_params())
         self.policy = build_policy(c.policy, ctx)
-        self.tau = ctx.effective_tau if centroids is not None else None
+        self.tau = getattr(self.policy, "tau", ctx.effective_tau) if centroids is not None else None
         self.paths = path_counter(self.metrics.registry)
         self.body_limit = int(c.max_body_mb * (1 << 20))
         self.score = ScoreEndpoint(self.predicted, lambda: self.policy, lambda: [w.url for w in self.pool.decodes],

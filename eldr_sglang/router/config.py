@@ -15,7 +15,7 @@ import socket
 import urllib.parse
 from dataclasses import dataclass, field, fields
 from functools import lru_cache
-from typing import Any, Optional, get_type_hints
+from typing import Any, Mapping, Optional, get_type_hints
 
 import pydantic
 
@@ -41,6 +41,11 @@ class RouterConfig:
     policy: str = _opt("decode-routing policy (see --help for the names)", "eldr_balanced")
     calibration: Optional[str] = _opt("calibration artifact (needed by artifact policies)")
     tau: Optional[float] = _opt("locality band; default: the artifact's tau (0 included)")
+    policy_param: tuple[str, ...] = _opt(
+        "a parameter of the policy as NAME=VALUE; repeat. eldr_balanced: cost_band, load_cap and "
+        "the step-time law base_s, per_seq_s, per_expert_s, max_batch; state_aware: the step-time "
+        "law; eldr: tau. In a config file, a mapping of NAME: VALUE or a list of NAME=VALUE", (),
+        repeat=True)
     domain_map: Optional[str] = _opt("JSON (inline or file): label -> [decode index or URL, ...]")
     label_field: Optional[str] = _opt("body field holding the request label (removed before forwarding)")
     label_header: Optional[str] = _opt("HTTP header holding the request label")
@@ -111,6 +116,17 @@ class RouterConfig:
     signature_buffer: int = _opt("max early (unclaimed) signature messages kept", 4096)
     signature_buffer_mb: float = _opt("max MiB of early signature messages kept", 64.0)
     signature_max_kb: float = _opt("largest signature message (KiB); larger is refused", 1024.0)
+    signature_max_age: float = _opt(
+        "seconds a signature message's timestamp (inside its HMAC) may differ from this "
+        "router's clock; older or newer is refused, and so is a second message for one "
+        "bootstrap room (a replay)", 60.0)
+    signature_max_streams: int = _opt(
+        "signature stream (--signature-port) connections open at once; more are closed at once", 256)
+    signature_stream_idle: float = _opt(
+        "seconds a signature stream connection may send nothing; then it is closed (engines "
+        "reconnect at their next message)", 300.0)
+    signature_line_timeout: float = _opt(
+        "seconds a signature stream has to finish a line once it started it; then closed", 10.0)
     signature_key_file: Optional[str] = _opt(
         "file holding the key engines sign signature messages with (HMAC-SHA256); unsigned or "
         "wrongly signed ones are refused (default: env ELDR_SIGNATURE_KEY; none: taken unsigned)")
@@ -183,6 +199,10 @@ class RouterConfig:
     def validate(self) -> None:
         """Convert each field to its declared type, then check the values; ValueError
         naming the first bad field."""
+        if isinstance(self.policy_param, Mapping):  # code and config files: {name: value}
+            self.policy_param = tuple(f"{k}={v}" for k, v in self.policy_param.items())
+        elif isinstance(self.policy_param, str):
+            self.policy_param = (self.policy_param,)
         for f in fields(self):
             value = getattr(self, f.name)
             if value is not f.default:
@@ -191,13 +211,15 @@ class RouterConfig:
             if choices is not None and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name}: {getattr(self, f.name)!r} is not one of {', '.join(choices)}")
         self._check_policies()
+        self._check_policy_params()
         from eldr_sglang.router.http_conventions import cors_origins_of
 
         cors_origins_of(self.cors_origins)  # ValueError naming cors_origins
         if self.domain_map is not None:
             domain_map_of(self.domain_map)
         positive = ("signature_timeout", "signature_ttl", "signature_buffer", "signature_buffer_mb",
-                    "signature_max_kb", "health_timeout", "health_failures", "breaker_threshold",
+                    "signature_max_kb", "signature_max_age", "signature_max_streams",
+                    "signature_stream_idle", "signature_line_timeout", "health_timeout", "health_failures", "breaker_threshold",
                     "connect_timeout", "first_byte_timeout", "idle_timeout", "request_timeout",
                     "max_batch", "max_body_mb", "workers", "retry_after")
         non_negative = ("signature_timeout_min", "signature_timeout_factor", "health_interval",
@@ -250,6 +272,45 @@ class RouterConfig:
         for arm in (self.ab_policies or "").split(","):
             if arm.strip() and arm.strip() not in policy_names(aliases=True):
                 raise ValueError(f"ab_policies: unknown policy {arm.strip()!r} (known: {known})")
+
+    def policy_specs(self) -> list[Any]:
+        """The PolicySpecs this router builds: ``--policy`` (or the A/B arms), the shadow."""
+        from eldr_sglang.core.policies import policy_spec
+
+        names = ([a.strip() for a in self.ab_policies.split(",") if a.strip()] if self.ab_policies
+                 else [self.policy])
+        if self.shadow_policy:
+            names.append(self.shadow_policy)
+        specs = [policy_spec(n) for n in names]
+        return list({s.name: s for s in specs}.values())
+
+    def policy_params(self) -> dict[str, str]:
+        """``policy_param`` as name -> value text (a later NAME wins); ValueError naming the field."""
+        from eldr_sglang.core.policies.params import split_assignments
+
+        return split_assignments(self.policy_param)
+
+    def _check_policy_params(self) -> None:
+        from eldr_sglang.core.policies.params import check_params
+
+        try:
+            check_params(self.policy_specs(), self.policy_params())
+        except ValueError as e:
+            raise ValueError(f"policy_param: {str(e).removeprefix('policy_param: ')}") from None
+
+    def ignored_settings(self) -> list[str]:
+        """Settings given that no policy of this router reads (each a warning at start)."""
+        from eldr_sglang.core.policies.params import param_names
+
+        specs = self.policy_specs()
+        names = ", ".join(s.name for s in specs)
+        out = []
+        if self.tau is not None and not any("tau" in param_names(s.params) for s in specs):
+            out.append(f"--tau {self.tau:g} is ignored: policy {names} has no similarity band "
+                       "(only eldr reads it)")
+        if self.domain_map is not None and not any(s.needs_domain_map for s in specs):
+            out.append(f"--domain-map is ignored: policy {names} does not route by label (only domain reads it)")
+        return out
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "RouterConfig":

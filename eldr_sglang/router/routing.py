@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 
 from eldr_sglang.core.policies import (Policy, PolicyContext, PolicySpec, build_policy, policy_spec,
                                        reads_artifact)
+from eldr_sglang.core.policies.params import params_for
 from eldr_sglang.router.config import RouterConfig
 from eldr_sglang.router.metrics import RouterMetrics
 from eldr_sglang.router.signatures import SignatureEncoder
@@ -64,6 +65,9 @@ class RoutingState:
         self.config, self.pool, self.metrics = config, pool, metrics
         self.domain_map = domain_map or {}
         self.spec = policy_spec(config.policy)  # the configured policy
+        self.params = config.policy_params()  # --policy-param: name -> value text
+        for line in config.ignored_settings():
+            logger.warning("%s", line)
         if (artifact is None and reads_artifact(self.spec) and not self.spec.needs_artifact
                 and not (config.online or config.calibration_watch)):
             logger.warning("policy %s routes requests to the decode server whose calibration region "
@@ -93,11 +97,13 @@ class RoutingState:
             len(self.pool.decodes), seed=c.seed, tau=c.tau,
             centroids=encoder.centroids if encoder is not None else None,
             artifact_tau=encoder.tau if encoder is not None else None,
-            domain_map=domain_indices(self.domain_map, [d.url for d in self.pool.decodes]))
+            domain_map=domain_indices(self.domain_map, [d.url for d in self.pool.decodes]),
+            params=params_for(spec.params, self.params))  # the A/B arms' and shadow's differ
         if spec.needs_domain_map and not self.domain_map:
             raise ValueError(f"{spec.name} policy needs a domain map (--domain-map)")
         policy = build_policy(spec.name, ctx)
-        return Routing(spec, policy, encoder, ctx.effective_tau if spec.needs_artifact else None, path)
+        return Routing(spec, policy, encoder, getattr(policy, "tau", None) if spec.needs_artifact else None,
+                       path)
 
     def build_routing(self, spec: PolicySpec, encoder: Optional[SignatureEncoder]) -> Routing:
         """A routing for ``spec`` on the live pool (shadow policies, A/B arms)."""

@@ -21,10 +21,12 @@ from eldr_sglang.core.policies.balancers import JSQPolicy, P2CPolicy, RandomPoli
 from eldr_sglang.core.policies.domain import DomainPolicy  # noqa: E402
 from eldr_sglang.core.policies.eldr import CentroidOwnership, EldrPolicy  # noqa: E402
 from eldr_sglang.core.policies.state_aware import StateAwarePolicy, StepCost  # noqa: E402
+from eldr_sglang.core.policies.params import NoParams, parse_params  # noqa: E402
 
 POLICY_NAMES = tuple(policy_names())
 
 __all__ = ["Decision", "Policy", "PolicyContext", "PolicySpec", "RouteRequest", "build_policy",
            "least_loaded", "make_policy", "policy_names", "policy_spec", "reads_artifact", "register_policy",
            "RandomPolicy", "RoundRobinPolicy", "JSQPolicy", "P2CPolicy", "DomainPolicy",
-           "CentroidOwnership", "EldrPolicy", "StateAwarePolicy", "StepCost", "POLICY_NAMES"]
+           "CentroidOwnership", "EldrPolicy", "StateAwarePolicy", "StepCost", "NoParams", "parse_params",
+           "POLICY_NAMES"]

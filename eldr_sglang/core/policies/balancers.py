@@ -85,11 +85,11 @@ class P2CPolicy(Policy):
         return int(a if loads[a] < loads[b] else b)
 
 
-register_policy(PolicySpec("random", lambda ctx: RandomPolicy(ctx.seed),
+register_policy(PolicySpec("random", lambda ctx, _: RandomPolicy(ctx.seed),
                            summary="uniform random among the allowed servers"))
-register_policy(PolicySpec("round_robin", lambda ctx: RoundRobinPolicy(), aliases=("rr",),
+register_policy(PolicySpec("round_robin", lambda ctx, _: RoundRobinPolicy(), aliases=("rr",),
                            summary="cycle through the servers"))
-register_policy(PolicySpec("jsq", lambda ctx: JSQPolicy(ctx.seed), aliases=("shortest_queue",),
+register_policy(PolicySpec("jsq", lambda ctx, _: JSQPolicy(ctx.seed), aliases=("shortest_queue",),
                            summary="fewest in-flight requests"))
-register_policy(PolicySpec("p2c", lambda ctx: P2CPolicy(ctx.seed), aliases=("power_of_two",),
+register_policy(PolicySpec("p2c", lambda ctx, _: P2CPolicy(ctx.seed), aliases=("power_of_two",),
                            summary="the less loaded of two random servers"))

@@ -19,8 +19,9 @@ same order.
 
 Policies are found by name in a registry: each policy module declares a
 :class:`PolicySpec` (name, aliases, whether it needs a calibration artifact or a
-domain map, how it is built from a :class:`PolicyContext`, how it reacts to a
-calibration reload) with :func:`register_policy`. Every module of this package is
+domain map, its typed parameter set (:mod:`.params`), how it is built from a
+:class:`PolicyContext` and its parameters, how it reacts to a calibration reload)
+with :func:`register_policy`. Every module of this package is
 imported by ``__init__``, so a new policy is one new file (and its test).
 """
 
@@ -32,6 +33,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import numpy as np
 
 from eldr_sglang.core.artifact import DEFAULT_TAU
+from eldr_sglang.core.policies.params import NoParams, parse_params
 
 
 _EPS = 1e-9
@@ -156,6 +158,9 @@ class PolicyContext:
     centroids: Optional[np.ndarray] = None  # [K, D] from the calibration artifact
     artifact_tau: Optional[float] = None  # the artifact's tau (0 is a valid value)
     domain_map: Mapping[str, Sequence[int]] = field(default_factory=dict)
+    # the policy's parameters: name -> text or number (``--policy-param``, a config file),
+    # or an instance of its parameter dataclass; checked by build_policy
+    params: Any = None
 
     @property
     def effective_tau(self) -> float:
@@ -172,8 +177,9 @@ class PolicySpec:
     """A registered policy: how to build it and what it needs."""
 
     name: str
-    build: Callable[[PolicyContext], Policy]
+    build: Callable[[PolicyContext, Any], Policy]  # (context, parameters) -> policy
     aliases: tuple[str, ...] = ()
+    params: type = NoParams  # its parameter set: a frozen dataclass (names, types, defaults, checks)
     needs_artifact: bool = False  # centroids from a calibration artifact (refused without one)
     uses_artifact: bool = False  # reads centroids when given (routes blind without them)
     needs_domain_map: bool = False  # a label -> servers map
@@ -214,11 +220,13 @@ def policy_names(aliases: bool = False) -> list[str]:
 
 
 def build_policy(name: str, ctx: PolicyContext) -> Policy:
-    """Build a policy by name from a context; ValueError naming what is missing."""
+    """Build a policy by name from a context and its parameters (``ctx.params``);
+    ValueError naming what is missing or the parameter that is wrong. The one builder
+    of the router, the co-located router, the simulator and the benchmarks."""
     spec = policy_spec(name)
     if spec.needs_artifact and ctx.centroids is None:
         raise ValueError(f"{spec.name} policy needs centroids (a calibration artifact)")
-    return spec.build(ctx)
+    return spec.build(ctx, parse_params(spec.name, spec.params, ctx.params))
 
 
 def make_policy(
@@ -229,7 +237,9 @@ def make_policy(
     tau: Optional[float] = None,
     domain_map: Optional[Mapping[str, Sequence[int]]] = None,
     seed: Optional[int] = 0,
+    params: Any = None,
 ) -> Policy:
-    """Shorthand for :func:`build_policy` (tau None: :data:`DEFAULT_TAU`)."""
+    """Shorthand for :func:`build_policy` (tau None: :data:`DEFAULT_TAU`; ``params``: the
+    policy's parameters, see :mod:`.params`)."""
     return build_policy(name, PolicyContext(num_servers, seed=seed, tau=tau, centroids=centroids,
-                                            domain_map=domain_map or {}))
+                                            domain_map=domain_map or {}, params=params))

@@ -41,6 +41,6 @@ class DomainPolicy(Policy):
         return {"policy": self.name, "domain_map": self.domain_map}
 
 
-register_policy(PolicySpec("domain", lambda ctx: DomainPolicy(ctx.domain_map, ctx.seed),
+register_policy(PolicySpec("domain", lambda ctx, _: DomainPolicy(ctx.domain_map, ctx.seed),
                            needs_domain_map=True,
                            summary="label -> owned servers, least loaded among them"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -9,6 +10,17 @@ import numpy as np
 from eldr_sglang.core.artifact import DEFAULT_TAU
 from eldr_sglang.core.policies.balancers import JSQPolicy
 from eldr_sglang.core.policies.base import _EPS, Decision, Policy, PolicySpec, register_policy
+from eldr_sglang.core.policies.params import check_number
+
+
+@dataclass(frozen=True)
+class EldrParams:
+    """``tau``: the similarity band (cosine); None: ``--tau``, else the artifact's."""
+
+    tau: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        check_number("tau", self.tau, optional=True)
 
 
 class CentroidOwnership:
@@ -279,6 +291,7 @@ class EldrPolicy(Policy):
 
 
 register_policy(PolicySpec(
-    "eldr", lambda ctx: EldrPolicy(ctx.centroids, ctx.num_servers, ctx.effective_tau, ctx.seed),
-    needs_artifact=True, rebuild_on_reload=True,
+    "eldr", lambda ctx, prm: EldrPolicy(ctx.centroids, ctx.num_servers,
+                                        ctx.effective_tau if prm.tau is None else prm.tau, ctx.seed),
+    params=EldrParams, needs_artifact=True, rebuild_on_reload=True,
     summary="least loaded among servers within tau of the best centroid similarity"))

@@ -25,12 +25,14 @@ band rule (similarity band, least loaded) stays available as ``eldr``.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
 from eldr_sglang.core.policies.base import Decision, PolicySpec, _candidates, register_policy
 from eldr_sglang.core.policies.eldr import CentroidOwnership
+from eldr_sglang.core.policies.params import check_int, check_number
 from eldr_sglang.core.policies.state_aware import StateAwarePolicy, StepCost
 
 DEFAULT_COST_BAND = 0.02
@@ -38,6 +40,28 @@ DEFAULT_COST_BAND = 0.02
 # at Qwen3-30B-A3B's 98,304 KV bytes per token on one MI300X (sim.cost_model.step_cost with
 # context_tokens=750; a test keeps them equal)
 BALANCED_COST = StepCost(per_seq_s=3.5948e-05)
+
+
+@dataclass(frozen=True)
+class BalancedParams:
+    """``eldr_balanced``'s parameters: the cost band (relative), the bounded-load factor
+    (None: no cap) and the step-time law (:class:`StepCost`'s fields; default
+    :data:`BALANCED_COST`)."""
+
+    cost_band: float = DEFAULT_COST_BAND
+    load_cap: Optional[float] = None
+    base_s: float = BALANCED_COST.base_s
+    per_seq_s: float = BALANCED_COST.per_seq_s
+    per_expert_s: float = BALANCED_COST.per_expert_s
+    max_batch: int = BALANCED_COST.max_batch
+
+    def __post_init__(self) -> None:
+        check_number("cost_band", self.cost_band)
+        check_number("load_cap", self.load_cap, 1.0, optional=True)
+        self.step_cost()  # checks the law's fields
+
+    def step_cost(self) -> StepCost:
+        return StepCost(self.base_s, self.per_seq_s, self.per_expert_s, self.max_batch)
 
 
 class EldrBalancedPolicy(StateAwarePolicy):
@@ -48,10 +72,8 @@ class EldrBalancedPolicy(StateAwarePolicy):
     def __init__(self, num_servers: int, dim: Optional[int] = None, cost: StepCost = BALANCED_COST,
                  centroids: Optional[np.ndarray] = None, cost_band: float = DEFAULT_COST_BAND,
                  load_cap: Optional[float] = None) -> None:
-        if not cost_band >= 0.0:
-            raise ValueError(f"cost_band must be >= 0, got {cost_band}")
-        if load_cap is not None and not load_cap >= 1.0:
-            raise ValueError(f"load_cap must be >= 1 (or None: no cap), got {load_cap}")
+        check_number("cost_band", cost_band)
+        check_number("load_cap", load_cap, 1.0, optional=True)
         super().__init__(num_servers, dim, cost)
         self.cost_band = float(cost_band)
         self.load_cap = None if load_cap is None else float(load_cap)
@@ -107,6 +129,8 @@ class EldrBalancedPolicy(StateAwarePolicy):
 
 
 register_policy(PolicySpec(
-    "eldr_balanced", lambda ctx: EldrBalancedPolicy(ctx.num_servers, centroids=ctx.centroids),
-    aliases=("balanced",), uses_artifact=True, rebuild_on_reload=True,
+    "eldr_balanced",
+    lambda ctx, prm: EldrBalancedPolicy(ctx.num_servers, cost=prm.step_cost(), centroids=ctx.centroids,
+                                        cost_band=prm.cost_band, load_cap=prm.load_cap),
+    aliases=("balanced",), params=BalancedParams, uses_artifact=True, rebuild_on_reload=True,
     summary="least decode-time cost; within 2% of it, the most similar calibration region (default)"))

@@ -39,6 +39,7 @@ import numpy as np
 
 from eldr_sglang.core.policies.base import (Decision, Policy, PolicySpec, _candidates,
                                             least_loaded, register_policy)
+from eldr_sglang.core.policies.params import check_int, check_number
 
 P_MAX = 1.0 - 1e-6  # an expert used by every token still leaves 1 - p > 0: log(1 - p) >= -13.8
 _P_MAX32 = np.float32(P_MAX)
@@ -57,6 +58,11 @@ class StepCost:
     per_seq_s: float = 1.74e-05
     per_expert_s: float = 5.698e-05
     max_batch: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("base_s", "per_seq_s", "per_expert_s"):
+            check_number(name, getattr(self, name))
+        check_int("max_batch", self.max_batch)
 
 
 class _Live:
@@ -296,6 +302,6 @@ class StateAwarePolicy(Policy):
 
 
 register_policy(PolicySpec(
-    "state_aware", lambda ctx: StateAwarePolicy(ctx.num_servers, centroids=ctx.centroids),
-    aliases=("cost",), uses_artifact=True,
+    "state_aware", lambda ctx, prm: StateAwarePolicy(ctx.num_servers, cost=prm, centroids=ctx.centroids),
+    aliases=("cost",), params=StepCost, uses_artifact=True,
     summary="least predicted increase of decode time given each server's live batch"))

@@ -1,0 +1,129 @@
+"""Typed, validated parameter sets of the decode-routing policies.
+
+Each policy declares its parameters as a frozen dataclass (``PolicySpec.params``: the
+field names, types and defaults; its ``__post_init__`` checks the ranges). Values come
+as text (``--policy-param cost_band=0.05``), as numbers (a YAML or JSON config file) or
+as the dataclass itself (code); :func:`parse_params` turns them into the dataclass or
+raises a one-line ``ValueError`` that names the field. One builder
+(:func:`~eldr_sglang.core.policies.base.build_policy`) takes them for the router, the
+co-located router, the simulator and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import typing
+from dataclasses import dataclass, fields, is_dataclass
+from functools import lru_cache
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+
+
+@dataclass(frozen=True)
+class NoParams:
+    """A policy without parameters."""
+
+
+def check_number(name: str, value: Any, low: float = 0.0, *, optional: bool = False) -> None:
+    """``value`` must be a finite number >= ``low`` (or None when ``optional``);
+    ValueError naming ``name``."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < low:
+        raise ValueError(f"{name}: expected a finite number >= {low:g}, got {value!r}")
+
+
+def check_int(name: str, value: Any, low: int = 1) -> None:
+    """``value`` must be an integer >= ``low``; ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+
+
+@lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def param_names(params: type) -> tuple[str, ...]:
+    """The parameter names of a parameter dataclass, in declaration order."""
+    return tuple(f.name for f in fields(params))
+
+
+def _typed(name: str, hint: Any, raw: Any) -> Any:
+    """``raw`` (text, number or None) as ``hint`` (float, int, Optional[...]); ValueError
+    naming ``name``."""
+    args = typing.get_args(hint)
+    optional = (typing.get_origin(hint) in (Union, types.UnionType)) and type(None) in args
+    kind = next((a for a in args if a is not type(None)), hint) if optional else hint
+    if optional and (raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "none", "null"))):
+        return None
+    if isinstance(raw, bool):
+        raise ValueError(f"{name}: expected {kind.__name__}, got {raw!r}")
+    text = raw.strip() if isinstance(raw, str) else raw
+    try:
+        if kind is int:
+            if isinstance(text, float) and not text.is_integer():
+                raise ValueError
+            return int(text)
+        if kind is float:
+            value = float(text)
+            if not math.isfinite(value):
+                raise ValueError
+            return value
+    except (TypeError, ValueError):
+        what = "an integer" if kind is int else "a finite number"
+        raise ValueError(f"{name}: expected {what}, got {raw!r}") from None
+    return raw
+
+
+def parse_params(policy: str, params: type, values: Any = None) -> Any:
+    """``values`` (a mapping of name -> text or number, an instance of ``params``, or None)
+    as ``params``; ValueError naming the field (an unknown name lists the known ones)."""
+    if values is None:
+        return params()
+    if is_dataclass(values) and not isinstance(values, type):
+        if isinstance(values, params):
+            return values
+        raise ValueError(f"{policy} takes {params.__name__} parameters, got {type(values).__name__}")
+    known = param_names(params)
+    hints = _hints(params)
+    kw = {}
+    for name, raw in dict(values).items():
+        if name not in known:
+            raise ValueError(f"{name}: {policy} has no parameter {name!r} "
+                             f"({'its parameters: ' + ', '.join(known) if known else 'it takes none'})")
+        kw[name] = _typed(name, hints[name], raw)
+    return params(**kw)
+
+
+def params_for(params: type, values: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+    """The entries of ``values`` that ``params`` declares (the others belong to other policies)."""
+    known = set(param_names(params))
+    return {k: v for k, v in (values or {}).items() if k in known}
+
+
+def split_assignments(items: Iterable[str], what: str = "policy_param") -> dict[str, str]:
+    """``["NAME=VALUE", ...]`` as a dict (a later NAME wins); ValueError naming ``what``."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, eq, value = str(item).partition("=")
+        name = name.strip().replace("-", "_")
+        if not eq or not name:
+            raise ValueError(f"{what}: expected NAME=VALUE, got {item!r}")
+        out[name] = value.strip()
+    return out
+
+
+def check_params(specs: Sequence[Any], values: Mapping[str, Any]) -> None:
+    """Every name in ``values`` is a parameter of at least one of ``specs`` (PolicySpecs), and
+    its value is valid for each that declares it; ValueError naming the field."""
+    for name in values:
+        owners = [s for s in specs if name in param_names(s.params)]
+        if not owners:
+            known = sorted({n for s in specs for n in param_names(s.params)})
+            names = " or ".join(s.name for s in specs)
+            raise ValueError(f"{name}: {names} has no parameter {name!r} "
+                             f"({'its parameters: ' + ', '.join(known) if known else 'it takes none'})")
+    for s in specs:
+        parse_params(s.name, s.params, params_for(s.params, values))
