@@ -30,7 +30,7 @@ def _cell(text: Any) -> str:
 def _default(value: Any, is_flag: bool = False) -> str:
     if is_flag:
         return "on" if value else "off"
-    return "–" if value is None or value is MISSING else _cell(value)
+    return "–" if value is None or value is MISSING or value == () else _cell(value)
 
 
 def router_table() -> list[str]:
