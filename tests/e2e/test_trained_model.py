@@ -1,11 +1,13 @@
 """The committed trained tiny MoE: transformers and a real SGLang CPU server (with
 the plugin's trace mode on a plain, co-located server) give the same greedy
 tokens, and the server's trace logs hold every request's prefill and decode
-expert counts."""
+expert counts; through the co-located router the official client gets n > 1 and chat."""
 
 from __future__ import annotations
 
 import json
+import sys
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +15,7 @@ import pytest
 
 from eldr_sglang.core import ModelSpec
 from eldr_sglang.testing import local_cluster as lc
-from tests.helpers import ROOT, greedy_generate, serving, wait_until
+from tests.helpers import LOG_DIR, ROOT, greedy_generate, serving, started, wait_until
 
 pytestmark = pytest.mark.sglang
 
@@ -124,3 +126,36 @@ def test_next_turn_counts_the_cached_earlier_output_like_a_cold_run(trained_serv
     assert cold["cached_tokens"] == 0
     diff = np.abs(np.array(warm["counts"]) - np.array(cold["counts"])).sum(axis=1)
     assert (diff <= 2).all(), diff
+
+
+def test_colocated_router_serves_parallel_sampling_and_chat(trained_server):
+    """Through the co-located router (plain servers, no PD) the official client gets
+    ``n > 1`` served (SGLang's own parallel sampling), chat through the shipped model's
+    chat template, and ``best_of > n`` refused (SGLang would ignore it)."""
+    openai = pytest.importorskip("openai")
+    server, _ = trained_server
+    port = lc.free_port()
+    router = lc.ManagedProcess("eldr-colocated", [
+        sys.executable, "-m", "eldr_sglang.router", "--mode", "colocated", "--host", "127.0.0.1",
+        "--port", str(port), "--policy", "jsq", "--tokenizer", str(MODEL), "--worker", server.url],
+        LOG_DIR / "eldr-colocated.log", f"http://127.0.0.1:{port}").start()
+    started.append(router)
+    try:
+        router.wait_ready(timeout=60)
+        with openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            model = client.models.list().data[0].id
+            out = client.completions.create(model=model, prompt=PROMPTS[1], n=2, max_tokens=4, temperature=0.8)
+            assert sorted(c.index for c in out.choices) == [0, 1]
+            assert all(c.finish_reason == "length" and c.text for c in out.choices)
+            assert out.usage.completion_tokens == 8
+            chat = client.chat.completions.create(model=model, n=2, max_tokens=4, messages=[
+                {"role": "user", "content": PROMPTS[3]}])
+            assert sorted(c.index for c in chat.choices) == [0, 1]
+            assert all(c.message.role == "assistant" and c.message.content for c in chat.choices)
+            with pytest.raises(openai.BadRequestError) as err:
+                client.completions.create(model=model, prompt=PROMPTS[1], n=2, best_of=3, max_tokens=4)
+            assert "best_of" in err.value.body["message"]
+        with urllib.request.urlopen(router.url + "/metrics", timeout=10) as r:
+            assert r.status == 200
+    finally:
+        router.stop()
