@@ -7,8 +7,9 @@ seconds (default 900), until its servers (and, before the router, every server o
 the cluster) answer ``/health``; a server of this node that exits meanwhile is named
 with the tail of its log, and the node is stopped. Once up it stays in the
 foreground: SIGINT or SIGTERM stops every process it started, and so does any of
-them exiting. ``NODE-stop.sh`` stops them from another shell (SIGTERM to each
-group, SIGKILL after ``ELDR_STOP_TIMEOUT`` seconds, default 60).
+them exiting (status 1, naming the cause). ``NODE-stop.sh`` stops them from
+another shell (SIGTERM to each group, SIGKILL after ``ELDR_STOP_TIMEOUT`` seconds,
+default 60); the start script then ends with status 0.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ if [ -s "$PIDS" ]; then
   exit 1
 fi
 : > "$PIDS"
+rm -f "$LOG_DIR/$NODE.stopping"
 
 stop_all() {
   trap - INT TERM
@@ -84,6 +86,7 @@ wait_healthy() {  # wait_healthy URL...: each answers /health within START_TIMEO
 _STOP = r'''
 PIDS="$LOG_DIR/$NODE.pids"
 [ -f "$PIDS" ] || { echo "nothing to stop: no $PIDS"; exit 0; }
+touch "$LOG_DIR/$NODE.stopping"  # the start script ends with status 0, not as a crash
 while read -r name pid; do
   kill -TERM -- "-$pid" 2> /dev/null && echo "stopping $name (pid $pid)"
 done < "$PIDS"
@@ -125,7 +128,10 @@ def start_script(cluster: Cluster, node_name: str, launches: list[Launch]) -> st
         body += [_start_line(router), f"wait_healthy {router.url}"]
     body += [f'echo "{node_name} is up ({len(mine)} processes); stop: $(dirname "$0")/{node_name}-stop.sh '
              'or Ctrl-C"',
-             "wait -n", "echo \"error: a process of $NODE exited; stopping the others\" >&2",
+             "wait -n",
+             'if [ -e "$LOG_DIR/$NODE.stopping" ]; then rm -f "$LOG_DIR/$NODE.stopping"; '
+             'echo "$NODE stopped"; exit 0; fi',
+             "echo \"error: a process of $NODE exited; stopping the others\" >&2",
              "stop_all", "exit 1"]
     return "\n".join(body) + "\n"
 

@@ -101,7 +101,8 @@ def test_start_until_up_then_stop_leaves_nothing(deployment, how):
         assert done.returncode == 0 and done.stdout.count("stopping ") == 3, done.stdout + done.stderr
     else:
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the terminal that runs it
-    proc.wait(90)
+    rc = proc.wait(90)
+    assert rc == (0 if how == "stop_script" else 130), output(tmp)  # stopped, not crashed
     wait_until(lambda: not marked(marker), 30, "every process of the node gone")
     assert not (tmp / "logs" / "local.pids").exists()
 
@@ -133,3 +134,14 @@ def test_a_second_start_over_a_running_node_is_refused(deployment):
     subprocess.run(["bash", str(stop)], env=env, capture_output=True, timeout=90)
     proc.wait(90)
     wait_until(lambda: not marked(marker), 30, "every process gone")
+
+
+def test_a_server_that_dies_later_stops_the_node(deployment):
+    script, stop, env, ports, marker, tmp = deployment
+    proc = start(script, env, tmp)
+    wait_until(lambda: "is up" in output(tmp) or proc.poll() is not None, 60, "the node up")
+    pids = dict(line.split() for line in (tmp / "logs" / "local.pids").read_text().splitlines())
+    os.kill(int(pids["decode-0"]), signal.SIGKILL)
+    assert proc.wait(90) == 1
+    assert "error: a process of local exited; stopping the others" in output(tmp)
+    wait_until(lambda: not marked(marker), 30, "every process of the node gone")
