@@ -3,7 +3,8 @@
 One message (a JSON object)::
 
     {"bootstrap_room": int, "rid": str, "prompt_tokens": int, "cached_tokens": int,
-     "layers": [int] * n_sel, "counts": [[int] * E] * n_sel | packed, "model": {...}}
+     "layers": [int] * n_sel, "counts": [[int] * E] * n_sel | packed, "model": {...},
+     "ts": float}
 
 ``counts`` is a list of rows or packed (:mod:`eldr_sglang.core.counts_codec`, as the
 engine publishes it); only ``bootstrap_room``, ``layers`` and ``counts`` are
@@ -15,13 +16,23 @@ Framing: ``POST /eldr/signature`` takes one message or a JSON list; the TCP stre
 takes one message per line. With a shared key, the sender signs the exact bytes
 (the HTTP body, the JSON of a line) with HMAC-SHA256, ``sha256=<hex>``: in the
 ``X-Eldr-Hmac`` header, or as the line's prefix (``sha256=<hex> {...}``).
+
+Freshness: :func:`http_body` and :func:`stream_lines` stamp each message with ``ts``
+(the sender's wall clock, seconds) before signing, so the timestamp is inside the
+MAC. A router refuses a message whose ``ts`` is further than its
+``--signature-max-age`` from its own clock, and a second message for one bootstrap
+room (a replay); with a key, a message without ``ts`` too. Routers of before the
+stamp drop the field (any field outside the contract is dropped), so engines can be
+upgraded first.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
+import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -44,7 +55,8 @@ MAX_MODEL_BYTES = 1024  # the optional ``model`` object (name, layers, experts, 
 # the message contract: any other field is dropped on parse (it would be memory the
 # byte cap of the router's buffer does not see)
 FIELDS = frozenset({"bootstrap_room", "rid", "prompt_tokens", "cached_tokens", "layers", "counts",
-                    "model", "model_name"})
+                    "model", "model_name", "ts"})
+TS_FIELD = "ts"  # the sender's time.time() when it framed the message (inside the MAC)
 
 MAC_HEADER = "X-Eldr-Hmac"
 MAC_PREFIX = b"sha256="
@@ -119,6 +131,10 @@ def parse_message(obj: Any) -> dict:
     for key in ("prompt_tokens", "cached_tokens"):
         if key in obj and obj[key] is not None and not _is_int(obj[key]):
             raise ValueError(f"{key} must be an integer")
+    ts = obj.get(TS_FIELD)
+    if ts is not None and (not isinstance(ts, (int, float)) or isinstance(ts, bool)
+                           or not math.isfinite(ts)):
+        raise ValueError(f"{TS_FIELD} must be a number (seconds since the epoch)")
     return obj
 
 
@@ -186,8 +202,19 @@ def verify(key: bytes, data: bytes, given: bytes | str | None) -> bool:
     return hmac.compare_digest(mac(key, data), given)
 
 
+def stamped(message: dict, now: float | None = None) -> dict:
+    """``message`` with its ``ts`` (a copy; one that has a ``ts`` is left as it is)."""
+    if TS_FIELD in message:
+        return message
+    return {**message, TS_FIELD: round(time.time() if now is None else now, 3)}
+
+
 def http_body(payload: dict | list[dict], key: bytes | None = None) -> tuple[bytes, dict[str, str]]:
-    """``POST /eldr/signature`` body (one message or a list) and its headers (signed with a key)."""
+    """``POST /eldr/signature`` body (one message or a list, each stamped) and its
+    headers (signed with a key)."""
+    now = time.time()
+    payload = ([stamped(m, now) for m in payload] if isinstance(payload, list)
+               else stamped(payload, now))
     body = orjson.dumps(payload)
     headers = {"Content-Type": "application/json"}
     if key:
@@ -196,10 +223,12 @@ def http_body(payload: dict | list[dict], key: bytes | None = None) -> tuple[byt
 
 
 def stream_lines(messages: Iterable[dict], key: bytes | None = None) -> bytes:
-    """TCP stream bytes: one message per line, each signed (prefix) when there is a key."""
+    """TCP stream bytes: one message per line, each stamped, and signed (prefix) when
+    there is a key."""
     out = []
+    now = time.time()
     for m in messages:
-        data = orjson.dumps(m)
+        data = orjson.dumps(stamped(m, now))
         out.append(mac(key, data) + b" " + data + b"\n" if key else data + b"\n")
     return b"".join(out)
 

@@ -105,7 +105,10 @@ class Router:
                                       observer=self._observe if c.online or c.shadow_policy else None,
                                       parser=self.parser, body_timeout=c.client_body_timeout or None,
                                       key=c.signature_key(),
-                                      api_key=c.api_key or os.environ.get("ELDR_API_KEY") or None)
+                                      api_key=c.api_key or os.environ.get("ELDR_API_KEY") or None,
+                                      max_age=c.signature_max_age, max_streams=c.signature_max_streams,
+                                      stream_idle=c.signature_stream_idle,
+                                      line_timeout=c.signature_line_timeout)
         self._warn_open_intake(c)
         log = self.intake.log  # one rate-limited warning log for the intake and the flow
         self.online = (OnlineController(c, m, state, self.runtime.spawn, log) if c.online else None)

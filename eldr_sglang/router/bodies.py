@@ -221,10 +221,10 @@ class BodyParser:
                 1, mp_context=multiprocessing.get_context("spawn"))
         return self.executor
 
-    async def run(self, fn, raw: bytes, *args: Any) -> Any:
+    async def run(self, fn, raw: bytes, *args: Any, off_loop_bytes: Optional[int] = None) -> Any:
         """``fn(raw, *args)``: here for a small body, in the parser process for a big one
-        (``fn`` must be a module-level function)."""
-        if len(raw) < self.off_loop_bytes:
+        (``fn`` must be a module-level function; ``off_loop_bytes``: this call's threshold)."""
+        if len(raw) < min(self.off_loop_bytes, off_loop_bytes or self.off_loop_bytes):
             return fn(raw, *args)
         self.off_loop += 1
         try:

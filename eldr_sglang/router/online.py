@@ -32,7 +32,8 @@ from eldr_sglang.router.metrics import RouterMetrics
 from eldr_sglang.router.routing import RoutingState
 
 logger = logging.getLogger("eldr_sglang.router")
-WINDOW_MAX_BYTES = 2 << 30  # the online window of the first message's shape
+WINDOW_MAX_BYTES = 2 << 30  # the online window of the shape the first messages vote for
+SHAPE_VOTES = 16  # with no artifact: a shape needs a majority of this many first messages
 
 
 class OnlineController:
@@ -54,6 +55,10 @@ class OnlineController:
         self.fitted_at: Optional[float] = time.time() if start is not None else None
         self.failures = 0
         self.refused = 0  # messages of another shape than the window's
+        # with no artifact, the window's shape is the one a majority of the first
+        # messages have (never one message's): they wait here until then
+        self.pending: list[dict] = []
+        self.votes = max(1, min(SHAPE_VOTES, c.online_min_signatures))
         self.last_error: Optional[str] = None
         m = metrics
         m.calibration_online.set(2 if start is not None else 1)
@@ -61,9 +66,10 @@ class OnlineController:
     # ------------------------------------------------------------ intake side
     def fits(self, msg: dict) -> Optional[str]:
         """Why ``msg`` cannot join the window (None: it can): it must have the live
-        artifact's layers and shape, else the window's; the first message's window must
-        stay within ``WINDOW_MAX_BYTES``. A message that does not fit is refused and
-        counted, never a reset of the window (one post of another shape would undo it)."""
+        artifact's layers and shape, else the window's; before either, a window of its
+        shape must stay within ``WINDOW_MAX_BYTES``. A message that does not fit is
+        refused and counted, never a reset of the window (one post of another shape
+        would undo it)."""
         layers, shape = [int(x) for x in msg["layers"]], tuple(np.shape(msg["counts"]))
         art, window = self.calibrator.artifact, self.calibrator.window
         if art is not None:
@@ -82,15 +88,51 @@ class OnlineController:
         """One accepted signature message (called by the intake, on the event loop)."""
         why = self.fits(msg)
         if why is not None:
-            self.refused += 1
-            self.metrics.errors.labels("signature_online_mismatch").inc()
-            self.log.warn("online_mismatch", "signature message not taken for the online "
-                                   "fit: %s", why)
+            self._refuse(why)
             return
+        cal = self.calibrator
+        if cal.artifact is None and cal.window.data is None:
+            self._vote(msg)
+            return
+        self._feed(msg)
+        self.maybe_fit()
+
+    def _refuse(self, why: str) -> None:
+        self.refused += 1
+        self.metrics.errors.labels("signature_online_mismatch").inc()
+        self.log.warn("online_mismatch", "signature message not taken for the online fit: %s", why)
+
+    @staticmethod
+    def _shape(msg: dict) -> tuple:
+        return tuple(int(x) for x in msg["layers"]), tuple(np.shape(msg["counts"]))
+
+    def _vote(self, msg: dict) -> None:
+        """Hold ``msg`` until one shape has a majority of the last ``votes`` messages;
+        then that shape's messages open the window and the others are refused. Without
+        a majority the oldest held message is refused once ``votes`` are held."""
+        self.pending.append(msg)
+        shape = self._shape(msg)
+        if sum(self._shape(m) == shape for m in self.pending) < self.votes // 2 + 1:
+            if len(self.pending) >= self.votes:
+                old = self.pending.pop(0)
+                layers, counts = self._shape(old)
+                self._refuse(f"layers {list(layers)} shape {list(counts)}: no shape has a "
+                             f"majority of the first {self.votes} messages yet")
+            return
+        held, self.pending = self.pending, []
+        for m in held:
+            if self._shape(m) == shape:
+                self._feed(m)
+            else:
+                layers, counts = self._shape(m)
+                self._refuse(f"layers {list(layers)} shape {list(counts)}, the majority of the "
+                             f"first messages (the window) holds {list(shape[0])} {list(shape[1])}")
+        self.maybe_fit()
+
+    def _feed(self, msg: dict) -> None:
         counts = msg["counts"]
         cal = self.calibrator
         cal.observe(counts, msg["layers"], model_from_message(msg, counts) if cal.model is None else None)
-        self.maybe_fit()
 
     def request_refit(self) -> None:
         self.calibrator.request()
@@ -195,7 +237,7 @@ class OnlineController:
         self.update_gauges()
         return {**self.calibrator.describe(), "fitting": self.task is not None and not self.task.done(),
                 "fit_in": self.fit_in, "out": self.out, "failures": self.failures,
-                "refused": self.refused,
+                "refused": self.refused, "shape_votes_held": len(self.pending),
                 "last_error": self.last_error,
                 "age_s": None if self.fitted_at is None else round(time.time() - self.fitted_at, 3)}
 

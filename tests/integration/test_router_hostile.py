@@ -89,9 +89,9 @@ async def test_foreign_signature_shape_never_resets_the_online_window():
         st, raw = await post(http, f"{url}/eldr/signature", foreign)
         assert len(window) == 12 and window.resets == 0
         assert router.metrics.value("errors", kind="signature_online_mismatch") == 1
-        huge = {"bootstrap_room": 6, "layers": [0, 1], "counts": [[1] * 8] * 2}
-        for _ in range(3):
-            await post(http, f"{url}/eldr/signature", huge)
+        for room in (6, 7, 8):  # one message per room (a second one is a replay)
+            same = {"bootstrap_room": room, "layers": [0, 1], "counts": [[1] * 8] * 2}
+            await post(http, f"{url}/eldr/signature", same)
         assert len(window) == 15  # same shape: taken
 
 

@@ -142,3 +142,121 @@ async def test_with_an_api_key_and_no_signature_key_the_intake_needs_the_api_key
         w.close()
         assert 13 not in router.board.buffer
         assert router.metrics.value("signature_auth_refused", reason="unsigned") >= 2
+
+
+# ------------------------------------------------------------------ 5. online window shape
+async def test_one_message_of_another_shape_first_never_fixes_the_online_window():
+    async with cluster(n_decode=2, policy="eldr", artifact=None, online=True, online_min_signatures=20,
+                       online_fit_in="thread", health_interval=0, load_interval=0) as (
+            router, url, prefill, decodes, http):
+        foreign = {"bootstrap_room": 5, "layers": [3, 4, 5], "counts": [[1] * 5] * 3}
+        st, raw = await post(http, f"{url}/eldr/signature", foreign)
+        assert st == 200, raw
+        for i in range(24):
+            st, raw = await post(http, f"{url}/generate", {"text": f"topic:{i % 2} {i}"})
+            assert st == 200, raw
+        window = router.online.calibrator.window
+        await until(lambda: len(window) == 24, what="every legitimate signature in the window")
+        assert window.layers == [0, 1] and window.resets == 0
+        assert router.online.refused == 1  # the foreign one, counted
+        assert router.metrics.value("errors", kind="signature_online_mismatch") == 1
+        await until(lambda: router.online.calibrator.generation >= 1, what="the first fit")
+
+
+# ------------------------------------------------------------------ 4. replay
+KEY = b"round-three-key-0123456789"
+
+
+@pytest.fixture
+def key_file(tmp_path):
+    path = tmp_path / "signature.key"
+    path.write_bytes(KEY)
+    return str(path)
+
+
+async def test_a_signed_message_is_taken_once_fresh_and_never_replayed(key_file):
+    async with cluster(n_decode=2, policy="eldr", artifact=None, online=True, online_min_signatures=50,
+                       online_fit_in="thread", signature_port=0, signature_key_file=key_file,
+                       signature_max_age=30, prefill_kw={"send_signature": False}) as (
+            router, url, prefill, decodes, http):
+        msg = wire.build_message(21, "r", 4, 0, [0, 1], topic_counts("topic:1"), packed=True)
+        body, headers = wire.http_body(msg, KEY)
+        assert b'"ts":' in body  # stamped inside what the MAC covers
+        async with http.post(f"{url}/eldr/signature", data=body, headers=headers) as r:
+            assert r.status == 200, await r.text()
+        for _ in range(20):  # the same bytes again: a replay
+            async with http.post(f"{url}/eldr/signature", data=body, headers=headers) as r:
+                assert r.status == 400 and "replay" in (await r.json())["error"]
+        line = wire.stream_lines([msg], KEY)
+        _, w = await asyncio.open_connection("127.0.0.1", router.intake.port)
+        w.write(line * 200)
+        await w.drain()
+        await until(lambda: router.metrics.value("errors", kind="signature_replay") == 220,
+                    what="every replay refused and counted")
+        w.close()
+        online = router.online
+        assert len(online.calibrator.window) + len(online.pending) == 1  # one copy in the fit
+        # stale or from the future, or without a stamp: refused
+        for ts in (wire.time.time() - 3600, wire.time.time() + 3600):
+            body, headers = wire.http_body({**msg, "bootstrap_room": 22, "ts": ts}, KEY)
+            async with http.post(f"{url}/eldr/signature", data=body, headers=headers) as r:
+                assert r.status == 400 and "signature-max-age" in (await r.json())["error"]
+        raw = orjson.dumps({**msg, "bootstrap_room": 23})
+        async with http.post(f"{url}/eldr/signature", data=raw,
+                             headers={wire.MAC_HEADER: wire.mac(KEY, raw).decode()}) as r:
+            assert r.status == 400 and "'ts'" in (await r.json())["error"]
+        assert router.metrics.value("errors", kind="signature_stale") == 2
+        assert router.metrics.value("errors", kind="signature_unstamped") == 1
+        assert len(online.calibrator.window) + len(online.pending) == 1
+
+
+async def test_the_engine_publisher_stamps_what_it_signs(key_file):
+    from eldr_sglang.patches.publish import SignaturePublisher
+
+    async with cluster(n_decode=2, signature_port=0, signature_key_file=key_file,
+                       prefill_kw={"send_signature": False}) as (router, url, prefill, decodes, http):
+        pub = SignaturePublisher(f"tcp://127.0.0.1:{router.intake.port}", key=KEY)
+        pub.submit(wire.build_message(31, "r", 4, 0, [0, 1], topic_counts("topic:1"), packed=True))
+        pub.submit(wire.build_message(32, "r", 4, 0, [0, 1], topic_counts("topic:1"), packed=True),
+                   f"{url}/eldr/signature")
+        await until(lambda: 31 in router.board.buffer and 32 in router.board.buffer,
+                    what="both messages taken")
+        assert router.metrics.value("signature_auth_refused") == 0
+
+
+# ------------------------------------------------------------------ 3. the signature TCP port
+async def test_signature_port_drops_unsigned_lines_as_they_come_and_times_out_slow_ones(key_file):
+    async with cluster(n_decode=2, signature_port=0, signature_key_file=key_file,
+                       signature_line_timeout=0.5, signature_stream_idle=60) as (
+            router, url, prefill, decodes, http):
+        r, w = await asyncio.open_connection("127.0.0.1", router.intake.port)
+        w.write(b'{"bootstrap_room": 1, "junk": "' + b"x" * 500_000)  # no MAC, no newline
+        await w.drain()
+        await until(lambda: router.metrics.value("signature_auth_refused", reason="unsigned") == 1,
+                    what="the unsigned line refused before its end")
+        assert router.intake.partial_bytes < 1000  # nothing of it buffered
+        # a line with a MAC prefix that never ends: closed after the line limit
+        r2, w2 = await asyncio.open_connection("127.0.0.1", router.intake.port)
+        w2.write(b"sha256=" + b"0" * 64 + b' {"bootstrap_room": 2, ')
+        await w2.drain()
+        assert await asyncio.wait_for(r2.read(), 30) == b""  # closed by the router
+        assert await asyncio.wait_for(r.read(), 30) == b""  # the dropped line timed out too
+        assert router.metrics.value("errors", kind="signature_line_timeout") == 2
+        await until(lambda: not router.intake.streams and router.intake.partial_bytes == 0,
+                    what="no stream left")
+        w.close()
+        w2.close()
+
+
+async def test_signature_port_caps_connections_and_closes_idle_ones():
+    async with cluster(n_decode=2, signature_port=0, signature_max_streams=8,
+                       signature_stream_idle=0.5) as (router, url, prefill, decodes, http):
+        conns = [await asyncio.open_connection("127.0.0.1", router.intake.port) for _ in range(20)]
+        closed = await asyncio.gather(*(asyncio.wait_for(r.read(), 30) for r, _ in conns))
+        assert closed == [b""] * 20  # 12 at once (over the cap), the 8 others once idle
+        assert router.metrics.value("errors", kind="signature_streams_full") == 12
+        await until(lambda: not router.intake.streams, what="no stream left")
+        st, raw = await post(http, f"{url}/generate", {"text": "topic:1"})
+        assert st == 200, raw  # the client port never noticed
+        for _, w in conns:
+            w.close()
