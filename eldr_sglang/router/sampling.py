@@ -49,11 +49,15 @@ def samples(body: dict, endpoint: str) -> int:
     """How many samples per prompt the request asks for (``n``; 1 when absent or malformed).
 
     OpenAI routes: the top-level ``n``. ``/generate``: ``sampling_params.n`` (a list of
-    sampling params: the largest)."""
+    sampling params: the largest); 1 for a beam search (``beam_width > 1``: SGLang's ``n``
+    is then the number of beams returned, one request, no fan-out)."""
     if endpoint != "generate":
         return _count(body.get("n")) or 1
     sp = body.get("sampling_params")
     params = sp if isinstance(sp, list) else [sp]
+    first = params[0] if params and isinstance(params[0], dict) else {}
+    if (_count(first.get("beam_width")) or 1) > 1:
+        return 1
     return max((_count(p.get("n")) or 1 for p in params if isinstance(p, dict)), default=1)
 
 

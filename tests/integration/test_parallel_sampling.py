@@ -90,6 +90,7 @@ def test_samples_and_refusal_rules():
     assert samples({"prompt": "x", "n": True}, "v1/completions") == 1  # not a count: SGLang answers
     assert samples({"text": "x", "sampling_params": [{"n": 1}, {"n": 3}]}, "generate") == 3
     assert samples({"text": "x", "n": 3}, "generate") == 1  # /generate reads sampling_params only
+    assert samples({"text": "x", "sampling_params": {"n": 3, "beam_width": 3}}, "generate") == 1  # beams
     assert refusal({"prompt": "x", "n": 2}, "v1/completions", pd=False) is None
     assert "greater than or equal" in refusal({"prompt": "x", "n": 3, "best_of": 2}, "v1/completions", pd=False)
     assert refusal({"messages": [], "best_of": 3}, "v1/chat/completions", pd=True) is None  # no best_of in chat
