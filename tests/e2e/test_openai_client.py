@@ -102,7 +102,6 @@ def test_completion(client, model, openai_router):
     assert metric(openai_router, "eldr_router_decisions_total", kind="signature") >= 1  # by its signature
 
 
-
 def test_completion_of_a_prompt_list(client, model, openai_router):
     """A list of prompts (n = 1) passes through PD: one choice per prompt, usage summed."""
     out = client.completions.create(model=model, prompt=[PROMPT, "Solve 3x + 7 = 22."], max_tokens=TOKENS,
@@ -111,6 +110,7 @@ def test_completion_of_a_prompt_list(client, model, openai_router):
     assert all(c.finish_reason == "length" and c.text for c in out.choices)
     check_usage(out.usage, 2 * TOKENS)
     router_metrics(openai_router)
+
 
 def test_chat(client, model, openai_router):
     out = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=TOKENS, temperature=0)
