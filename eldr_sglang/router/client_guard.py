@@ -36,6 +36,7 @@ class HeaderTimeout(asyncio.Protocol):
         self.timer: Optional[asyncio.TimerHandle] = None
         self.busy = 0  # requests of this connection being handled
         self.head_seen = False  # the current request's head arrived whole
+        self.started = False  # a byte of the current request's head came (not an empty line)
         self._tail = b""  # the last bytes of the head so far (a blank line split in two)
 
     def connection_made(self, transport) -> None:
@@ -48,12 +49,17 @@ class HeaderTimeout(asyncio.Protocol):
         if not self.head_seen:
             if not self.busy and self.timer is None:
                 self._arm()  # the first byte of the next request
-            window = self._tail + data
-            if b"\r\n\r\n" in window:
-                self.head_seen, self._tail = True, b""
-                self._disarm()
-            else:
-                self._tail = window[-3:]
+            head = data
+            if not self.started:  # empty lines before a request line are no part of its head
+                head = data.lstrip(b"\r\n")
+                self.started = bool(head)
+            if head:
+                window = self._tail + head
+                if b"\r\n\r\n" in window:
+                    self.head_seen, self._tail = True, b""
+                    self._disarm()
+                else:
+                    self._tail = window[-3:]
         self.inner.data_received(data)
 
     def eof_received(self) -> Optional[bool]:
@@ -113,7 +119,7 @@ class ClientGuards:
         if guard is not None:
             guard.busy = max(0, guard.busy - 1)
             if not guard.busy:
-                guard.head_seen = False
+                guard.head_seen = guard.started = False
 
 
 class GuardedSite(web.BaseSite):

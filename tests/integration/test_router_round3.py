@@ -260,3 +260,18 @@ async def test_signature_port_caps_connections_and_closes_idle_ones():
         assert st == 200, raw  # the client port never noticed
         for _, w in conns:
             w.close()
+
+
+# ------------------------------------------------------------------ 9. header timeout
+async def test_leading_empty_lines_do_not_disarm_the_header_timeout():
+    async with cluster(n_decode=2, client_header_timeout=0.5) as (router, url, prefill, decodes, http):
+        r, w = await asyncio.open_connection("127.0.0.1", port_of(url))
+        w.write(b"\r\n\r\n\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n")  # never finished
+        await w.drain()
+        assert await asyncio.wait_for(r.read(), 30) == b""  # closed by the header limit
+        assert router.metrics.value("errors", kind="header_timeout") == 1
+        w.close()
+        # empty lines before a whole head are fine
+        st, raw = await raw_request(port_of(url), b"\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n"
+                                    b"Connection: close\r\n\r\n")
+        assert st == 200, raw
