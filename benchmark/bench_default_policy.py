@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -40,7 +40,7 @@ from common import command_line, fmt_mean_sd, markdown_table, write_record
 import bench_state_aware as grid_bench
 import report
 from eldr_sglang.sim import experiments
-from eldr_sglang.core.policies import PolicyContext, StateAwarePolicy, build_policy
+from eldr_sglang.core.policies import PolicyContext, build_policy
 from eldr_sglang.core.policies.eldr_balanced import EldrBalancedPolicy
 from eldr_sglang.sim.calibration import prefill_activations
 from eldr_sglang.sim.cost_model import get_params, step_cost
@@ -71,12 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 # -- runs ---------------------------------------------------------------------------------------------------
 def candidate_policy(k: int, routing: experiments.Routing, data: experiments.WorkloadData, cost: str) -> EldrBalancedPolicy:
-    """The default policy as the router builds it, its cost law mapped onto the trace model
-    (published layers, experts per trace expert, the sweep's 600 + 300/2 context tokens)."""
+    """The default policy as the router builds it (its builder, the step law as its parameters,
+    as ``--policy-param`` gives them), the law mapped onto the trace model (published layers,
+    experts per trace expert, the sweep's 600 + 300/2 context tokens)."""
     params = get_params(cost)
     sc = step_cost(params, len(routing.layers), expert_scale=params.num_experts / data.sim.num_experts,
                    context_tokens=600.0 + 300.0 / 2)
-    return EldrBalancedPolicy(k, cost=sc, centroids=routing.eldr_centroids)
+    return build_policy(CANDIDATE, PolicyContext(k, centroids=routing.eldr_centroids, params=asdict(sc)))
 
 
 def shifted_rows(labels: np.ndarray):
@@ -107,8 +108,8 @@ def run_task(task: tuple) -> dict:
         pol = candidate_policy(k, routing, data, cfg.cost)
     elif policy == "state_aware":  # as bench_state_aware.py runs it
         params = get_params(cfg.cost)
-        pol = StateAwarePolicy(k, cost=step_cost(params, len(routing.layers),
-                                                 expert_scale=params.num_experts / data.sim.num_experts))
+        pol = build_policy("state_aware", PolicyContext(k, params=asdict(step_cost(
+            params, len(routing.layers), expert_scale=params.num_experts / data.sim.num_experts))))
     elif policy == "oracle":
         pol = build_policy("eldr", PolicyContext(k, seed=cfg.seed, tau=grid_bench.TAU,
                                                  centroids=routing.oracle_centroids))

@@ -13,8 +13,9 @@ pool sweep), 20-100 req/s, seeds 0-4, policies round_robin, jsq, domain, eldr
 same requests for a seed) AND the calibration seed of ``experiments.prepare_routing``
 (ELDR artifact, oracle grouping) for each (workload, K).
 
-``state_aware`` is ``StateAwarePolicy(K, cost=step_cost(params, len(layers),
-expert_scale=params.num_experts / workload.num_experts))`` fed the activations the
+``state_aware`` is built as the router builds it, its step law ``step_cost(params, len(layers),
+expert_scale=params.num_experts / workload.num_experts)`` given as its parameters
+(``build_policy("state_aware", PolicyContext(K, params=asdict(law)))``), fed the activations the
 router would see (``prefill_activations`` of the evaluation traces on the ELDR
 artifact's layers). Every number this writes is SIMULATED
 (``eldr_sglang/sim/simulator.py`` + ``eldr_sglang/sim/cost_model.py``).
@@ -34,7 +35,7 @@ import pickle
 import shlex
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -42,7 +43,7 @@ import numpy as np
 
 from common import markdown_table, mean_sd, write_record
 from eldr_sglang.sim import experiments
-from eldr_sglang.core.policies import StateAwarePolicy
+from eldr_sglang.core.policies import PolicyContext, build_policy
 from eldr_sglang.sim.calibration import prefill_activations
 from eldr_sglang.sim.cost_model import PARAM_SETS, get_params, step_cost
 from eldr_sglang.sim.simulator import SimConfig, simulate
@@ -177,8 +178,8 @@ def run_point(data: experiments.WorkloadData, routing: experiments.Routing, acts
         row = experiments.run_one(data, routing, policy, cfg, TAU)
     else:
         params = get_params(cfg.cost)
-        pol = StateAwarePolicy(cfg.num_decode, cost=step_cost(params, len(routing.layers),
-                                                               expert_scale=params.num_experts / data.sim.num_experts))
+        law = step_cost(params, len(routing.layers), expert_scale=params.num_experts / data.sim.num_experts)
+        pol = build_policy("state_aware", PolicyContext(cfg.num_decode, params=asdict(law)))
         t0 = time.perf_counter()
         res = simulate(data.sim, pol, cfg, routing.eldr_signatures, activations=acts)
         row = dict(res.summary)

@@ -14,10 +14,12 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from eldr_sglang.core.policies import make_policy
+from eldr_sglang.core.policies import make_policy, policy_spec
+from eldr_sglang.core.policies.params import params_for
 from eldr_sglang.core.synthetic import make_synthetic_traces
 from eldr_sglang.core.traces import TraceSet, load_traces, write_traces
 from eldr_sglang.sim.calibration import calibrate_artifact, domain_map, eldr_signatures, oracle_grouping
@@ -150,15 +152,19 @@ def prepare_routing(data: WorkloadData, clusters: int, work_dir: Path, sweep: Sw
                    oracle.centroids, oracle.signatures, domain_map(data.sim.labels, clusters))
 
 
-def run_one(data: WorkloadData, routing: Routing, policy: str, config: SimConfig, tau: float) -> dict:
-    """One SIMULATED run; returns its summary plus the sweep coordinates."""
+def run_one(data: WorkloadData, routing: Routing, policy: str, config: SimConfig, tau: float,
+            params: Optional[Mapping[str, Any]] = None) -> dict:
+    """One SIMULATED run; returns its summary plus the sweep coordinates. ``params``: policy
+    parameters as the router's ``--policy-param`` gives them (each policy takes those it declares)."""
     k = config.num_decode
+    name = "eldr" if policy == "oracle" else policy
+    prm = params_for(policy_spec(name).params, params)
     if policy == "oracle":
-        pol = make_policy("eldr", k, centroids=routing.oracle_centroids, tau=tau, seed=config.seed)
+        pol = make_policy("eldr", k, centroids=routing.oracle_centroids, tau=tau, seed=config.seed, params=prm)
         sigs = routing.oracle_signatures
     else:
         pol = make_policy(policy, k, centroids=routing.eldr_centroids, tau=tau, domain_map=routing.domain,
-                          seed=config.seed)
+                          seed=config.seed, params=prm)
         sigs = routing.eldr_signatures
     t0 = time.perf_counter()
     res = simulate(data.sim, pol, config, sigs)
