@@ -24,7 +24,8 @@ centroids to servers with a min-cost assignment (``scipy.optimize.linear_sum_ass
 so that as few regions as possible change owner. ``churn`` is the share of the
 window's signatures whose server changed. Layer selection needs decode traces and
 stays an offline step (``python -m eldr_sglang.calibrate``): online fits use the
-layers the engines publish.
+layers the engines publish. scipy and scikit-learn are imported where a fit or a drift
+statistic needs them, so a router that never fits online does not load them.
 """
 
 from __future__ import annotations
@@ -35,11 +36,8 @@ from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
-from scipy.stats import ks_2samp
 
 from .artifact import DEFAULT_TAU, CalibrationArtifact, creation_info
-from .clustering import BalancedKMeans
 from .signature import COUNT_VARIANTS, SignatureBuilder, l2_normalize
 from .traces import ModelSpec
 
@@ -179,6 +177,8 @@ class DriftMonitor:
     def statistics(self) -> Optional[dict]:
         """``{"similarity_ks", "owner_shift", "band_mean", "reference_band_mean", ...}`` or
         None before ``window`` signatures; recomputed every ``window // 8`` signatures."""
+        from scipy.stats import ks_2samp  # here: a router that never fits online does not load scipy
+
         if not self.ready:
             return None
         if self._stats is None or self._since >= max(1, self.window // 8):
@@ -272,6 +272,8 @@ def match_to_servers(previous: np.ndarray, owners: Sequence[Sequence[int]], new:
         own = [c for c in owners[s] if c < len(previous)]
         if own:
             cost[s] = -(previous[own] @ new.T).max(axis=0)
+    from scipy.optimize import linear_sum_assignment
+
     _, cols = linear_sum_assignment(cost)
     return cols
 
@@ -314,6 +316,8 @@ def run_fit(job: FitJob) -> FitResult:
     # warm start needs (measured: full iterations move 15-30% of signature space per
     # one-server step, one iteration 8-18%; benchmark/bench_online.py)
     iters = 1 if warm and job.reason == "membership" else st.max_iter
+    from .clustering import BalancedKMeans
+
     km = BalancedKMeans(k, n_init=st.n_init, max_iter=iters, random_state=st.seed, init=init,
                         slack=SLACK if warm and job.reason == "membership" else 0.0).fit(X)
     centers, labels = km.cluster_centers_, km.labels_
