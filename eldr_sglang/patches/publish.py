@@ -76,6 +76,7 @@ class _Endpoint:
     def __init__(self, url: str) -> None:
         self.url = url
         self.scheme, self.host, self.port, self.path = parse_destination(url)
+        self.given_host = self.host  # as the destination named it (self.host: as allowed)
         self.conn: http.client.HTTPConnection | None = None
         self.sock: socket.socket | None = None
         self.poll = None  # select.poll() on sock (set with it): sees the router closing it
@@ -156,12 +157,18 @@ class SignaturePublisher:
             return self._default
         ep = self._endpoints.get(dest)
         if ep is not None:
+            if self.allow.canonical(ep.given_host) != ep.host:  # a listed name re-resolved elsewhere
+                del self._endpoints[dest]
+                ep.close()
+                return self._refuse(dest)
             self._endpoints.move_to_end(dest)
             return ep
         try:
             ep = _Endpoint(dest)
-            if not self.allow.allows(ep.host):
+            host = self.allow.canonical(ep.host)
+            if host is None:
                 return self._refuse(dest)
+            ep.host = host  # connected to as checked ("localhost." as "localhost")
         except ValueError:
             self.invalid_destinations += 1
             now = time.monotonic()

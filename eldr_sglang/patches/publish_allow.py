@@ -9,7 +9,14 @@ publisher connects only to destinations this list allows:
 * an entry that is a host name (``eldr-router``) allows that name, and destinations
   given as one of its addresses (resolved at most every ``ttl`` s: a headless Service
   name allows every router pod);
-* a destination given by an unlisted name is refused without resolving it.
+* a destination given by an unlisted name is refused without resolving it;
+* a name that the resolver would read as an address ("2130706433", "127.1",
+  "0x7f.0.0.1") is refused, as an entry and as a destination: only an address's
+  canonical form is one;
+* the host a destination is connected to is the one that was checked, normalised
+  (lower case, no trailing dot: "localhost." is connected to as "localhost");
+  the publisher checks a kept connection's destination again at every use, so one
+  allowed through a listed name's address stops when that name re-resolves elsewhere.
 
 Without ``--eldr-publish-allow``: with ``--eldr-publish request`` only this machine
 (loopback, its host name and addresses); with ``--eldr-publish URL`` any destination,
@@ -30,6 +37,16 @@ LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128")
 _HOST_NAME = re.compile(r"^(?=.{1,253}$)[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?)*\.?$")
 
 
+_NUMERIC_LABEL = re.compile(r"^(0x[0-9a-f]*|[0-9]+)$")
+
+
+def numeric_form(host: str) -> bool:
+    """Whether ``host`` (lower case, no trailing dot) is an address in a form other than
+    the canonical one that ``inet_aton`` still takes ("2130706433", "127.1", "0x7f.1")."""
+    labels = host.split(".")
+    return 1 <= len(labels) <= 4 and all(_NUMERIC_LABEL.match(x) for x in labels)
+
+
 def parse_entries(value: str) -> tuple[str, ...]:
     """``CIDR_OR_HOST[,...]`` validated (ValueError naming the bad entry), normalised."""
     out = []
@@ -42,9 +59,11 @@ def parse_entries(value: str) -> tuple[str, ...]:
             continue
         except ValueError:
             pass
-        if "/" in entry or ":" in entry or not _HOST_NAME.match(entry):
-            raise ValueError(f"{raw.strip()!r} is neither a CIDR, an address nor a host name")
-        out.append(entry.rstrip("."))
+        name = entry.rstrip(".")
+        if "/" in entry or ":" in entry or not _HOST_NAME.match(entry) or numeric_form(name):
+            raise ValueError(f"{raw.strip()!r} is neither a CIDR, an address (in its usual "
+                             "form) nor a host name")
+        out.append(name)
     if not out:
         raise ValueError("expected CIDRs or host names, comma-separated")
     return tuple(out)
@@ -87,17 +106,23 @@ class DestinationAllowList:
             self._resolved = set().union(*(self.resolve(n) for n in self.names)) if self.names else set()
         return self._resolved
 
-    def allows(self, host: str) -> bool:
-        if self.open:
-            return True
+    def canonical(self, host: str) -> Optional[str]:
+        """The host to connect to for a destination's ``host`` when allowed (lower case,
+        no trailing dot, an address in its canonical form), else None. Addresses in
+        other forms are refused, even with an open list."""
         host = host.lower().rstrip(".")
         try:
             addr = ipaddress.ip_address(host.strip("[]"))
         except ValueError:
-            return host in self.names  # an unlisted name is never resolved
-        if any(addr in n for n in self.networks):
-            return True
-        return str(addr) in self._name_addresses()
+            if not host or numeric_form(host):
+                return None
+            return host if self.open or host in self.names else None  # an unlisted name is never resolved
+        if self.open or any(addr in n for n in self.networks) or str(addr) in self._name_addresses():
+            return str(addr)
+        return None
+
+    def allows(self, host: str) -> bool:
+        return self.canonical(host) is not None
 
     def describe(self) -> str:
         return "any" if self.open else ", ".join([*map(str, self.networks), *sorted(self.names)])

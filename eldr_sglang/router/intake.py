@@ -325,6 +325,10 @@ class SignatureStream(asyncio.Protocol):
             self.timer = None
         self._wake()  # the lines that came whole before the end are still handled
 
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
     def abort(self, kind: Optional[str] = None, detail: str = "") -> None:
         if kind is not None:
             self.intake.refused(kind, detail, self.peer)
