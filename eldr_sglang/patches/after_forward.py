@@ -61,10 +61,13 @@ def physical_to_logical(ids: torch.Tensor, layers: list[int], num_ids: int) -> t
     return torch.where(valid, mapped, flat).reshape(n_layers, n, k).permute(1, 0, 2)
 
 
-def add_decode_step(state: CaptureState, ids: torch.Tensor) -> None:
+def add_decode_step(state: CaptureState, ids: torch.Tensor) -> torch.Tensor:
     """Distinct experts per layer of one decode step over ``ids`` ``[n, L, k]``
-    (every layer staged): into ``decode.active`` and the running total."""
-    state.decode.unique_total += mark_distinct(state.decode.hits, ids)
+    (every layer staged): into ``decode.active`` and the running total; returns the
+    step's distinct experts (a device scalar)."""
+    unique = mark_distinct(state.decode.hits, ids)
+    state.decode.unique_total += unique
+    return unique
 
 
 def add_decode_counts(state: CaptureState, forward_batch, ids: torch.Tensor) -> None:
@@ -80,8 +83,9 @@ def add_decode_counts(state: CaptureState, forward_batch, ids: torch.Tensor) -> 
                                 valid.to(torch.int32).flatten(), accumulate=True)
 
 
-def after_forward(state: CaptureState, model_runner, forward_batch, output) -> None:
-    """Scatter this forward's staged ids by the live KV slots; decode statistics."""
+def after_forward(state: CaptureState, model_runner, forward_batch, output, timer=None) -> None:
+    """Scatter this forward's staged ids by the live KV slots; decode statistics (and the
+    batch report, timed by ``timer`` from ``BatchReport.timer`` before the forward)."""
     if not state.ready or state.stage is None:
         return
     mode = forward_batch.forward_mode
@@ -100,6 +104,9 @@ def after_forward(state: CaptureState, model_runner, forward_batch, output) -> N
     if decode and state.decode.hits is not None:
         every = [staged_rows(state, b) for b in blocks]  # the MoE layers ran on every rank's tokens
         ids = every[0] if len(every) == 1 else torch.cat(every)
-        add_decode_step(state, ids)
+        unique = add_decode_step(state, ids)
         state.decode.steps += 1
         state.decode.tokens += int(ids.shape[0])
+        if state.decode.report is not None and timer is not None:
+            kv = getattr(forward_batch, "seq_lens_sum", None)
+            state.decode.report.step(state.decode.active, unique, int(ids.shape[0]), int(kv or 0), timer)

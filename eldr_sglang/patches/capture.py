@@ -46,7 +46,8 @@ def scheduler_init_after(result, scheduler, *args, **kwargs):
         try:
             from eldr_sglang.patches.metrics import serve_metrics
 
-            serve_metrics(state, state.config.metrics_port)
+            host = getattr(getattr(scheduler, "server_args", None), "host", None) or "0.0.0.0"
+            serve_metrics(state, state.config.metrics_port, host)  # the server's own --host
         except Exception as exc:
             state.fail_once(f"metrics endpoint on port {state.config.metrics_port}", exc)
     return result
@@ -85,12 +86,14 @@ def forward_around(original, model_runner, forward_batch, *args, **kwargs):
     if state.cursor is not None:
         state.cursor.clear()
     started = time.perf_counter() if state.trace_writer is not None else 0.0  # trace mode times steps
+    report = state.decode.report
+    timer = report.timer() if report is not None and forward_batch.forward_mode.is_decode() else None
     try:
         output = original(model_runner, forward_batch, *args, **kwargs)
     finally:
         state.forward_batch = None
     try:
-        after_forward(state, model_runner, forward_batch, output)
+        after_forward(state, model_runner, forward_batch, output, timer)
         if state.trace_writer is not None and state.decode.hits is not None and forward_batch.forward_mode.is_decode():
             # forward_ms: host time of the forward call (the whole step on CPU; on a GPU
             # only the launch, as nothing here waits for the device)

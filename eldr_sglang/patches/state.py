@@ -35,6 +35,7 @@ class DecodeStats:
     unique_total: torch.Tensor | None = None
     active: torch.Tensor | None = None  # [num_layers, num_experts] bool for the last step (a view of hits)
     hits: torch.Tensor | None = None  # [num_layers, num_experts + 1]: the last column takes invalid ids
+    report: object | None = None  # BatchReport: the live batch for the router's load poll
 
     def mean_unique_per_step(self) -> float:
         return float(self.unique_total.item()) / self.steps if self.steps and self.unique_total is not None else 0.0
@@ -198,6 +199,10 @@ def initialise(state: CaptureState, model_runner) -> None:
         d.unique_total = torch.zeros((), dtype=torch.int64, device=device)
         d.hits = torch.zeros((num_layers, num_experts + 1), dtype=torch.bool, device=device)
         d.active = d.hits[:, :num_experts]
+        if state.config.metrics_port:
+            from eldr_sglang.patches.batch_report import BatchReport
+
+            d.report = BatchReport(num_layers, num_experts, device)
     if not leader:  # TP/EP followers: their leader publishes and writes traces
         state.ready = True
         return
