@@ -354,7 +354,7 @@ class UpstreamClient:
 
     def _closed(self, key: tuple, conn: _Conn) -> None:
         """A connection closed: its slot goes to the first waiter (to connect anew)."""
-        self._count[key] = self._count.get(key, 1) - 1
+        self._count[key] = max(0, self._count.get(key, 1) - 1)
         self._wake(key)
 
     def _may_open(self, key: tuple) -> bool:
@@ -368,9 +368,9 @@ class UpstreamClient:
 
     def _unpermit(self, key: tuple, connected: bool) -> None:
         """A permit's attempt ended (``connected``: the connection now holds the slot)."""
-        self._connecting[key] = self._connecting.get(key, 1) - 1
+        self._connecting[key] = max(0, self._connecting.get(key, 1) - 1)
         if not connected:
-            self._count[key] = self._count.get(key, 1) - 1
+            self._count[key] = max(0, self._count.get(key, 1) - 1)
         self._wake(key)
 
     def _wake(self, key: tuple) -> None:
@@ -462,13 +462,20 @@ class UpstreamClient:
         loop = asyncio.get_running_loop()
         if secure and self._ssl is None:
             self._ssl = ssl.create_default_context()
-        on_closed = lambda conn: self._closed(key, conn)  # noqa: E731
+        conn = _Conn(self._live, lambda c: self._closed(key, c))
         start = loop.time()
         try:
-            async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(
-                    lambda: _Conn(self._live, on_closed), host, port,
-                    ssl=self._ssl if secure else None)
+            try:
+                async with asyncio.timeout(self.connect_timeout):
+                    await loop.create_connection(lambda: conn, host, port,
+                                                 ssl=self._ssl if secure else None)
+            except BaseException:
+                # failed or cancelled, maybe after connection_made: the caller gives the
+                # slot back (never also this connection's close), and a transport made
+                # meanwhile is closed here (uvloop keeps it open otherwise)
+                conn.on_closed = None
+                conn.close()
+                raise
         except TimeoutError:
             late = loop.time() - start - self.connect_timeout
             if late > self.connect_timeout / 2:  # the loop was busy: the router's own fault
