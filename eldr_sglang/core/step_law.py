@@ -1,0 +1,84 @@
+"""A decode server's step-time law, fitted from the step samples its engine reports.
+
+``t = base_s + per_seq_s * B + per_expert_s * U + per_kv_token_s * KV`` (seconds per
+decode step; ``B`` the batch size, ``U`` the distinct experts summed over the
+server's MoE layers, ``KV`` the batch's KV tokens), every term >= 0: non-negative
+least squares (``scipy.optimize.nnls``), made robust by iteratively reweighting with
+Huber weights (a step slowed by something else, a compile, a swap, does not pull the
+law). ``r2`` is the weighted fit's coefficient of determination on the samples; a law
+that fits badly is worth less than its figures (:meth:`StepLaw.trusted_per_expert`).
+Pure numeric; scipy is imported when a fit runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+MIN_SAMPLES = 16  # fewer steps than this: no law
+HUBER_K = 1.345  # Huber's tuning constant (95% efficiency under normal noise)
+TRUST_R2 = 0.5  # below: the per-expert term is shrunk toward 0 (pricing toward balance)
+
+
+@dataclass(frozen=True)
+class StepLaw:
+    base_s: float
+    per_seq_s: float
+    per_expert_s: float
+    per_kv_token_s: float
+    r2: float
+    samples: int
+
+    def seconds(self, batch: float, unique: float, kv_tokens: float = 0.0) -> float:
+        return self.base_s + self.per_seq_s * batch + self.per_expert_s * unique + self.per_kv_token_s * kv_tokens
+
+    def trusted_per_expert(self) -> float:
+        """The per-expert term as far as the fit supports it: whole at ``r2 >= TRUST_R2``,
+        scaled by ``r2 / TRUST_R2`` below (0 for a law that explains nothing): a bad fit
+        widens the choice toward balance instead of misleading it."""
+        return self.per_expert_s * min(1.0, max(0.0, self.r2) / TRUST_R2)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _design(samples: Sequence[dict]) -> tuple[np.ndarray, np.ndarray]:
+    rows = [(1.0, s["batch_size"], s["unique_experts"], s.get("kv_tokens", 0) or 0, s["seconds"])
+            for s in samples
+            if s.get("seconds") is not None and np.isfinite(s["seconds"]) and s["seconds"] > 0
+            and s.get("batch_size", 0) > 0]
+    if not rows:
+        return np.zeros((0, 4)), np.zeros(0)
+    a = np.asarray(rows, dtype=np.float64)
+    return a[:, :4], a[:, 4]
+
+
+def fit_step_law(samples: Sequence[dict], rounds: int = 5) -> Optional[StepLaw]:
+    """The law of ``samples`` (dicts with ``batch_size``, ``unique_experts``,
+    ``kv_tokens``, ``seconds``); None with fewer than :data:`MIN_SAMPLES` usable ones."""
+    from scipy.optimize import nnls
+
+    x, y = _design(samples)
+    if len(y) < MIN_SAMPLES:
+        return None
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-12)  # columns of similar size for nnls
+    xs = x / scale
+    w = np.ones_like(y)
+    coef = np.zeros(4)
+    for _ in range(rounds):
+        sw = np.sqrt(w)
+        coef, _ = nnls(xs * sw[:, None], y * sw)
+        resid = y - xs @ coef
+        mad = np.median(np.abs(resid - np.median(resid))) * 1.4826
+        if mad <= 0:
+            break
+        u = np.abs(resid) / (HUBER_K * mad)
+        w = np.where(u <= 1.0, 1.0, 1.0 / np.maximum(u, 1e-12))
+    pred = xs @ coef
+    mean = np.average(y, weights=w)
+    ss_tot = float(np.sum(w * (y - mean) ** 2))
+    r2 = 1.0 - float(np.sum(w * (y - pred) ** 2)) / ss_tot if ss_tot > 0 else 0.0
+    c = coef / scale
+    return StepLaw(float(c[0]), float(c[1]), float(c[2]), float(c[3]), r2, int(len(y)))
