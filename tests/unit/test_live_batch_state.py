@@ -137,3 +137,25 @@ def test_a_request_with_bad_probabilities_never_raises_or_poisons_the_state(bad)
         check(pol, [(0, good)], 2)
         pol.release(t0)
         assert np.all(np.asarray(pol.expected_unique()) == 0.0)
+
+
+def test_a_busy_server_is_recomputed_from_its_live_requests_every_reset_every_releases(monkeypatch):
+    """A server that never empties gets its sums rebuilt from its live requests (no rounding
+    carried over) every RESET_EVERY releases; an emptied server is exactly zero."""
+    from eldr_sglang.core.policies import state_aware
+
+    monkeypatch.setattr(state_aware, "RESET_EVERY", 5)
+    rng = np.random.default_rng(3)
+    pol = StateAwarePolicy(1, cost=COST)
+    keep = [pol.admit(0, RouteRequest(activation=rng.random(D))) for _ in range(3)]
+    for step in range(12):
+        pol.release(pol.admit(0, RouteRequest(activation=rng.random(D))))
+        if (step + 1) % 5 == 0:
+            assert pol.servers[0].releases == 0  # just rebuilt
+            exact = np.sum([t.log_q for t in keep], axis=0)
+            np.testing.assert_allclose(pol.log_free[0], exact, rtol=1e-14, atol=0)
+        else:
+            assert pol.servers[0].releases == (step + 1) % 5
+    for t in keep:
+        pol.release(t)
+    assert np.all(pol.log_free == 0.0) and pol.expected_unique()[0] == 0.0 and np.all(pol.free == 1.0)
