@@ -18,6 +18,14 @@ requests. (A float32 product multiplied on admit and divided on release underflo
 under concentrated load and could not be divided back: a server's distinct experts
 went negative, its cost too, and it drew every request.)
 
+Engine-reported batches (:meth:`StateAwarePolicy.observe_engine`): a decode server's
+engine reports what its whole batch uses, every router replica's requests included.
+The server's price then uses ``engine + (own now - own at the report)``: the true
+batch at the report plus this router's admits and releases since, in the same log
+domain (clamped at 0: nothing is more than free). Per-server step laws fitted from
+the engines' step samples replace the default law for that server
+(:meth:`StateAwarePolicy.set_step_law`).
+
 Score of joining server ``s`` = the increase of the total token time of its batch,
 ``(B + 1) t(B + 1, U + dU) - B t(B, U)`` with ``t = base + per_seq B + per_expert U``
 (the cost model's step time without the KV term), plus a queue term when the
@@ -111,6 +119,9 @@ class StateAwarePolicy(Policy):
         self.free: Optional[np.ndarray] = None  # [N, D] float32 exp(log_free), for the matvec
         self.unique: Optional[np.ndarray] = None  # [N] float64 expected distinct experts
         self._stale: set[int] = set()  # servers whose free/unique lag log_free
+        self.offset: Optional[np.ndarray] = None  # [N, D] engine report - own log_free at the report
+        self._reported: set[int] = set()  # servers with an engine report (offset row in use)
+        self.laws: list[Optional[StepCost]] = [None] * num_servers  # per-server step laws (None: cost)
         self.fallbacks: dict[str, int] = {}  # decisions that could not use the costs, by reason
         self.centroids = None
         if centroids is not None:
@@ -127,6 +138,7 @@ class StateAwarePolicy(Policy):
             self.log_free = np.zeros((n, dim))
             self.free = np.ones((n, dim), dtype=np.float32)
             self.unique = np.zeros(n)
+            self.offset = np.zeros((n, dim))
             self._row = np.empty(dim)  # scratch row of _refresh
         elif dim != self.dim:
             raise ValueError(f"activation has {dim} dims, the policy tracks {self.dim}")
@@ -162,14 +174,17 @@ class StateAwarePolicy(Policy):
         except ValueError:  # its server was removed meanwhile
             return
         s.releases += 1
-        if not s.tokens:  # exactly idle
+        if not s.tokens and i not in self._reported:  # exactly idle
             self.log_free[i] = 0.0
             self.free[i] = 1.0
             self.unique[i] = 0.0
             s.releases = 0
             self._stale.discard(i)
             return
-        if s.releases >= RESET_EVERY:  # drop the rounding of many additions
+        if not s.tokens:
+            self.log_free[i] = 0.0
+            s.releases = 0
+        elif s.releases >= RESET_EVERY:  # drop the rounding of many additions
             self.log_free[i] = self._recomputed(s)
             s.releases = 0
         else:
@@ -194,6 +209,9 @@ class StateAwarePolicy(Policy):
         # exp of a very negative number is both ~0 and slow (numpy leaves its SIMD path for
         # results below the normal range): clamped at LOG_FREE_MIN, the error per expert
         # is below e^-80 ~ 2e-35
+        if self._reported:
+            self._refresh_reported(rows)
+            return
         if len(rows) == 1:
             i = rows[0]
             f = np.maximum(self.log_free[i], LOG_FREE_MIN, out=self._row)
@@ -207,6 +225,38 @@ class StateAwarePolicy(Policy):
             u = float(self.unique[rows].sum())
         if not math.isfinite(u):  # a probability that was not a number (NaN): count it as 0
             self._repair(rows)
+
+    def _refresh_reported(self, rows: list[int]) -> None:
+        """:meth:`_refresh` with the engine reports' offsets (clamped at 0)."""
+        lf = self.log_free[rows] + self.offset[rows]
+        f = np.exp(np.clip(lf, LOG_FREE_MIN, 0.0))
+        self.unique[rows] = self.dim - f.sum(axis=1)
+        self.free[rows] = f
+        if not math.isfinite(float(self.unique[rows].sum())):
+            self.offset[rows] = np.nan_to_num(self.offset[rows], nan=0.0)
+            self._repair(rows)
+
+    # ------------------------------------------------------------ engine reports
+    def observe_engine(self, index: int, log_free: Optional[np.ndarray]) -> None:
+        """Server ``index``'s engine reported its whole batch: ``log_free`` [D] (float64,
+        ``log`` of the probability that the batch leaves each expert unused), or None to
+        forget the report (the engine stopped reporting). Prices use it plus this
+        policy's own admits and releases from now on."""
+        if log_free is None:
+            if self.offset is not None:
+                self.offset[index] = 0.0
+            self._reported.discard(index)
+        else:
+            v = np.asarray(log_free, dtype=np.float64).reshape(-1)
+            self._ensure(v.size)
+            self.offset[index] = np.minimum(v, 0.0) - self.log_free[index]
+            self._reported.add(index)
+        self._stale.add(index)
+
+    def set_step_law(self, index: int, law: Optional[StepCost]) -> None:
+        """Price server ``index`` with ``law`` (fitted from its engine's steps), or with
+        the policy's own cost again (None)."""
+        self.laws[index] = law
 
     def _repair(self, rows: list[int]) -> None:
         for i in rows:
@@ -227,14 +277,19 @@ class StateAwarePolicy(Policy):
 
     def add_server(self) -> None:
         self.servers.append(_Server())
+        self.laws.append(None)
         if self.log_free is not None:
+            self.offset = np.vstack([self.offset, np.zeros((1, self.dim))])
             self.log_free = np.vstack([self.log_free, np.zeros((1, self.dim))])
             self.free = np.vstack([self.free, np.ones((1, self.dim), dtype=np.float32)])
             self.unique = np.append(self.unique, 0.0)
 
     def remove_server(self, index: int) -> None:
         self.servers.pop(index)
+        self.laws.pop(index)
+        self._reported = {i - (i > index) for i in self._reported if i != index}
         if self.log_free is not None:
+            self.offset = np.delete(self.offset, index, axis=0)
             self.log_free = np.delete(self.log_free, index, axis=0)
             self.free = np.delete(self.free, index, axis=0)
             self.unique = np.delete(self.unique, index)
@@ -265,7 +320,13 @@ class StateAwarePolicy(Policy):
             u = self.unique.tolist()
         base, ps, pe, mb = c.base_s, c.per_seq_s, c.per_expert_s, c.max_batch
         out = []
-        for b, ui, dui in zip(loads, u, du):
+        laws = self.laws
+        for k, (b, ui, dui) in enumerate(zip(loads, u, du)):
+            law = laws[k]
+            if law is not None:
+                base, ps, pe, mb = law.base_s, law.per_seq_s, law.per_expert_s, law.max_batch
+            elif k and laws[k - 1] is not None:
+                base, ps, pe, mb = c.base_s, c.per_seq_s, c.per_expert_s, c.max_batch
             # (b + 1) t1 - b t0 with t0 = base + ps b + pe u, t1 = t0 + ps + pe du
             t0 = base + ps * b + pe * ui
             score = t0 + (b + 1) * (ps + pe * dui)
@@ -311,6 +372,8 @@ class StateAwarePolicy(Policy):
 
     def describe(self) -> dict:
         return {"policy": self.name, "cost": asdict(self.cost),
+                "laws": [None if law is None else asdict(law) for law in self.laws],
+                "engine_reported": sorted(self._reported),
                 "live": [s.live for s in self.servers],
                 "expected_unique": (None if self.log_free is None
                                     else self.expected_unique().round(2).tolist()),
