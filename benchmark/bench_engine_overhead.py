@@ -114,6 +114,8 @@ def memory(gpu_bytes: float = 192e9, mem_fraction: float = 0.88, chunk: int = 16
           "attention DP = TP (late binding), KV pool = what the weights leave")
     for name in preset_names():
         d = load_description(preset=name)
+        if d["vendor"] == "cpu":  # the one-machine trial: no GPU memory to plan
+            continue
         model = Path(d["model_path"]).name
         n_layers, _, top_k, kv_width, weights = MODELS[model]
         for role in ("prefill", "decode"):
