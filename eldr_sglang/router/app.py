@@ -32,6 +32,7 @@ from aiohttp import web
 from eldr_sglang.core.policies import Decision, Policy, PolicySpec
 from eldr_sglang.router import upstream
 from eldr_sglang.router.ab import ABController, ShadowPolicy
+from eldr_sglang.router.engine_reports import EngineReports
 from eldr_sglang.router.admin import AdminApi
 from eldr_sglang.router.bodies import BodyParser
 from eldr_sglang.router.client_guard import ClientGuards
@@ -119,6 +120,10 @@ class Router:
             self.ab = ABController(state, m, lambda: self.runtime.session, c.ab_slice, c.ab_record,
                                    [u.strip() for u in (c.engine_metrics or "").split(",") if u.strip()],
                                    c.ab_label)
+        engines = [u.strip() for u in (c.engine_metrics or "").split(",") if u.strip()]
+        self.engine_reports = (EngineReports(state, m, lambda: self.runtime.session, engines,
+                                             c.load_interval, c.health_timeout)
+                               if engines and c.load_interval > 0 else None)
         self.watcher = (CalibrationWatcher(self.reload_calibration, m, c.calibration,
                                            c.calibration_watch) if c.calibration_watch else None)
         self.wait_limit = WaitLimit(c.signature_timeout, c.signature_timeout_min,
@@ -284,6 +289,7 @@ class Router:
             "policy_state": rt.policy.describe(),
             "calibration": self.calibration_info(),
             "ab": self.ab.describe() if self.ab else None,
+            "engine_reports": self.engine_reports.describe() if self.engine_reports else None,
             "shadow_policy": self.shadow.spec.name if self.shadow else None,
             "counters": self.metrics.counters(),
             "upstream": {"open": self.upstream.open_connections,
@@ -398,6 +404,8 @@ class Router:
             self.spawn(self.pool.run_periodic(c.health_interval, self.pool.check_health))
         if c.load_interval > 0:
             self.spawn(self.pool.run_periodic(c.load_interval, self.pool.poll_loads))
+        if self.engine_reports is not None:
+            self.spawn(self.pool.run_periodic(c.load_interval, self.engine_reports.poll))
         self.spawn(self._sweep_board())
         if self.watcher is not None:
             self.spawn(self.watcher.run())

@@ -73,7 +73,9 @@ class RouterConfig:
     ab_label: Optional[str] = _opt("arm name in --ab-record when one policy runs (pool-split A/B)")
     engine_metrics: Optional[str] = _opt(
         "comma-separated engine plugin metrics URLs (--eldr-metrics-port endpoints), in "
-        "--decode order, read at slice boundaries")
+        "--decode order: A/B slices read their counters; every --load-interval the router reads "
+        "each server's live batch and step samples there (GET /eldr/batch), prices the true batch "
+        "and fits the server's step law")
     shadow_policy: Optional[str] = _opt(
         "route by --policy, and count (and log per decision) what this policy would have chosen")
     # online calibration (eldr_sglang.core.online)

@@ -90,6 +90,12 @@ class RouterMetrics:
                                    "Requests a decode server reports running + waiting "
                                    "(GET /v1/loads), all routers together", ["role", "server"],
                                    registry=r)
+        self.step_law = Gauge("eldr_router_step_law_seconds",
+                              "Decode step law fitted from the engine's step samples (--engine-metrics): "
+                              "seconds per step, per sequence, per distinct expert (all MoE layers), per KV token",
+                              ["server", "term"], registry=r)
+        self.step_law_r2 = Gauge("eldr_router_step_law_r2", "R^2 of the fitted decode step law",
+                                 ["server"], registry=r)
         self.overloaded = Counter("eldr_router_overloaded", "Client requests refused with 429: "
                                   "in-flight limit reached", registry=r)
         self.requests = Counter("eldr_router_requests", "Requests routed to a decode server",
