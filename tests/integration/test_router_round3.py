@@ -275,3 +275,106 @@ async def test_leading_empty_lines_do_not_disarm_the_header_timeout():
         st, raw = await raw_request(port_of(url), b"\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n"
                                     b"Connection: close\r\n\r\n")
         assert st == 200, raw
+
+
+# ------------------------------------------------------------------ 2. the event loop
+class LoopWatch:
+    """The longest the event loop went without running a 5 ms ticker (a stall)."""
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+        self.task: asyncio.Task | None = None
+
+    async def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        while True:
+            await asyncio.sleep(0.005)
+            now = loop.time()
+            self.worst = max(self.worst, now - last - 0.005)
+            last = now
+
+    def __enter__(self) -> "LoopWatch":
+        self.task = asyncio.ensure_future(self._tick())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.task.cancel()
+
+
+async def sink_worker():
+    """A worker that reads each request's bytes without parsing them and answers a
+    small JSON object (the stub workers would parse a 24 MB body on this same loop)."""
+    async def serve(reader, writer):
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                left = length
+                while left:
+                    left -= len(await reader.read(min(left, 1 << 20)))
+                body = b'{"text": "ok", "meta_info": {"id": "x"}}'
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        except (asyncio.IncompleteReadError, ConnectionError, IndexError):
+            pass
+        writer.close()
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+BIG_BODIES = {
+    "junk_lists": lambda: b'{"text": "topic:1", "junk": [' + b"[]," * 7_000_000 + b"[]]}",
+    "sampling_ints": lambda: (b'{"text": "topic:1", "sampling_params": {"max_new_tokens": 4, "stop_token_ids": ['
+                              + b"1234567," * 2_700_000 + b"1]}}"),
+    "many_keys": lambda: b'{"text": "topic:1", ' + b"".join(b'"k%d": 1, ' % i for i in range(1_500_000)) + b'"z": 0}',
+}
+
+
+@pytest.mark.parametrize("shape", sorted(BIG_BODIES))
+async def test_no_big_body_stalls_the_event_loop(shape):
+    from eldr_sglang.router.app import Router, start_router
+
+    prefill, purl = await sink_worker()
+    decode, durl = await sink_worker()
+    router = Router([(purl, 8998)], [durl], "round_robin", health_interval=0, load_interval=0)
+    runner, port = await start_router(router)
+    body = BIG_BODIES[shape]()
+    assert 20 << 20 < len(body) < 32 << 20
+    try:
+        import aiohttp
+        async with aiohttp.ClientSession() as http:
+            st, raw = await post(http, f"http://127.0.0.1:{port}/generate", b'{"text": "warm"}' + b" " * (300 << 10))
+            assert st == 200, raw  # the parser process started
+            with LoopWatch() as watch:
+                st, raw = await post(http, f"http://127.0.0.1:{port}/generate", body)
+        print(f"{shape}: worst loop stall {watch.worst:.3f} s")
+        # a 24 MB body costs a few copies on the loop, never its objects (seconds before)
+        assert watch.worst < 0.5, f"the event loop stalled {watch.worst:.3f} s"
+        if shape == "many_keys":
+            assert st == 400 and "too many small fields" in orjson.loads(raw)["error"]
+        else:
+            assert st == 200, raw
+    finally:
+        await runner.cleanup()
+        for s in (prefill, decode):
+            s.close()
+
+
+async def test_signature_lines_of_any_shape_do_not_stall_the_event_loop():
+    async with cluster(n_decode=2, signature_port=0) as (router, url, prefill, decodes, http):
+        ragged = (b'{"bootstrap_room": 1, "layers": [0, 1], "counts": [['
+                  + b"7," * 480_000 + b'7], [1]]}\n')
+        valid_big = (b'{"bootstrap_room": 2, "layers": [0, 1], "counts": [['
+                     + b"7," * 240_000 + b"7], [" + b"7," * 240_000 + b'7]]}\n')
+        assert len(ragged) < 1 << 20 and len(valid_big) < 1 << 20
+        _, w = await asyncio.open_connection("127.0.0.1", router.intake.port)
+        with LoopWatch() as watch:
+            for i in range(10):
+                w.write(ragged + valid_big.replace(b'"bootstrap_room": 2', b'"bootstrap_room": %d' % (100 + i)))
+                await w.drain()
+            await until(lambda: router.metrics.value("signature_messages") >= 20,
+                        what="every line looked at")
+        w.close()
+        print(f"signature lines: worst loop stall {watch.worst:.3f} s")
+        assert watch.worst < 0.5, f"the event loop stalled {watch.worst:.3f} s"
