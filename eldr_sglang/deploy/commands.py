@@ -175,9 +175,15 @@ def build_launches(cluster: Cluster) -> list[Launch]:
     argv = [cluster.python, "-m", "eldr_sglang.router"]
     for url, boot in prefill_targets:
         argv += ["--prefill", url, str(boot)]
+    engines = []
     for launch in launches:
         if launch.name.startswith("decode-"):
             argv += ["--decode", launch.url]
+            port = flag_value(launch.argv, "--eldr-metrics-port")
+            if port is not None:
+                engines.append(f"http://{launch.host}:{port}/metrics")
+    if engines and len(engines) == cluster.decode.count and not has_flag(r.extra_args, "--engine-metrics"):
+        argv += ["--engine-metrics", ",".join(engines)]  # live batches and step laws (load poll), A/B counters
     argv += ["--policy", r.policy]
     spec = policy_spec(r.policy)
     if reads_artifact(spec):  # the default (eldr_balanced) too: without it, it routes blind

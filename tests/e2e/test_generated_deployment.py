@@ -7,6 +7,7 @@ script leaves no process behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -103,6 +104,13 @@ def test_generated_cluster_serves_bench_serving_with_signatures(deployment):
     for i in range(doc["decode"]["count"]):  # the decode servers' ELDR metrics count steps
         status, text = get(f"http://127.0.0.1:{doc['decode']['metrics_port'] + i}/metrics")
         assert status == 200 and sum(v for _, v in samples(text, "eldr_decode_steps_total")) > 0
+    # the generated router reads the engines' batch reports (--engine-metrics) and fits their step laws
+    status, text = get(f"{router}/eldr/status")
+    assert status == 200, text[:300]
+    reports = json.loads(text)["engine_reports"]
+    assert len(reports) == doc["decode"]["count"] and all(r["samples"] > 0 for r in reports.values()), reports
+    wait_until(lambda: len(samples(get(f"{router}/metrics")[1], "eldr_router_step_law_r2"))
+               == doc["decode"]["count"], 60, "a step law per decode server", step=0.5)
 
 
 def test_stop_script_leaves_no_process(deployment):

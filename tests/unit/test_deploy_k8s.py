@@ -215,6 +215,10 @@ def check_commands(docs: list[dict], preset: str, namespace: str) -> None:
                 assert int(ours) == mine[PORT_FLAGS[argv[i - 1]]]
             elif i and argv[i - 1] == "--eldr-publish":
                 assert ours == pod_url(docs, "tcp", router, "signature", namespace)
+            elif i and argv[i - 1] == "--engine-metrics":  # each decode pod's plugin endpoint
+                pods = [workloads[f"decode-{k}"] for k in range(len(ours.split(",")))]
+                assert ours.split(",") == [pod_url(docs, "http", d, "eldr-metrics", namespace) + "/metrics"
+                                           for d in pods]
             elif flag in ("--prefill", "--decode"):
                 server = workloads[f"{flag[2:]}-{sum(a == flag for a in argv[:i])}"]
                 assert command[i + 1] == pod_url(docs, "http", server, "http", namespace)
@@ -233,7 +237,10 @@ def check_commands(docs: list[dict], preset: str, namespace: str) -> None:
             assert c["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}  # RDMA pins memory
 
 
-@pytest.mark.parametrize("preset", preset_names())
+GPU_PRESETS = [p for p in preset_names() if load_description(preset=p)["vendor"] != "cpu"]
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS)
 def test_preset_manifests(tmp_path, preset):
     cluster = cluster_of(preset)
     files = generate(tmp_path, ["--preset", preset], clusters=cluster.decode.count, num_layers=layers_of(preset))
@@ -462,3 +469,8 @@ def test_metrics_probes_and_policies(tmp_path):
     assert selects(peer["podSelector"], prefill) and not selects(peer["podSelector"], files["40-decode.yaml"][0])
     budgets = [d for d in files["60-policies.yaml"] if d["kind"] == "PodDisruptionBudget"]
     assert all(d["spec"]["maxUnavailable"] == 1 for d in budgets)
+
+
+def test_the_cpu_preset_is_refused_for_kubernetes(tmp_path, capsys):
+    rc = deploy_main(["k8s", "--preset", "cpu-1p2d-loopback", "--out", str(tmp_path / "k8s")])
+    assert rc == 2 and "vendor: 'cpu': Kubernetes manifests request GPUs" in capsys.readouterr().err

@@ -310,3 +310,12 @@ def test_blind_policies_get_no_artifact(policy):
     doc = load_description(preset=P30B)
     doc["router"]["policy"] = policy
     assert "--calibration" not in build_launches(parse_cluster(doc))[-1].argv
+
+
+def test_router_reads_the_decode_engines_reports():
+    """Decode servers with --eldr-metrics-port: the router gets their endpoints, in decode
+    order (live batches and step laws with the load poll)."""
+    launches = launches_of(P30B)
+    decode = [l for l in launches if l.name.startswith("decode-")]
+    want = [f"http://{l.host}:{flag(list(l.argv), '--eldr-metrics-port')}/metrics" for l in decode]
+    assert flag(list(launches[-1].argv), "--engine-metrics").split(",") == want
