@@ -37,7 +37,7 @@ import numpy as np
 
 from common import command_line, parse_with_quick, write_record
 from measured import real_cpu_table
-from eldr_sglang.core.policies import policy_names, policy_spec
+from eldr_sglang.core.policies import policy_names, policy_spec, reads_artifact
 from eldr_sglang.demo import DEFAULT_MODEL, DEFAULT_WORKLOAD, calibration_artifact, decode_counters
 from eldr_sglang.testing import local_cluster as lc
 
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         env={"OMP_NUM_THREADS": str(args.threads)} if args.threads else None,
         prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus)
     paths = [(f"eldr-router/{p}", lambda p=p: lc.start_eldr_router(
-        cluster, logs, policy=p, port=router_port, artifact=artifact if policy_spec(p).needs_artifact else None))
+        cluster, logs, policy=p, port=router_port, artifact=artifact if reads_artifact(policy_spec(p)) else None))
         for p in args.policies]
     if not args.no_sglang_router:
         paths.append((SGLANG_ROUTER, lambda: lc.start_sglang_router(cluster, logs)))
@@ -248,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
               "decode_cpus": args.decode_cpus,
               "request_rate": args.request_rate, "repeats": args.repeats,
               "dataset": str(args.dataset.relative_to(ROOT) if args.dataset.is_relative_to(ROOT) else args.dataset),
-              "artifact": str(artifact), "summary": summarise(rows), "equal_batch_base": base,
+              "artifact": str(artifact),
+              "artifact_policies": [p for p in args.policies if reads_artifact(policy_spec(p))],
+              "summary": summarise(rows), "equal_batch_base": base,
               "equal_batch": equal_batch(rows, base), "step_time_fit": step_time_fit(rows), "runs": rows}
     print("\n".join(real_cpu_table(result)))
     if args.json:
