@@ -30,6 +30,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -126,6 +127,30 @@ def wait_for_step_records(trace_dir: Path, steps_before: float, cluster, timeout
         time.sleep(0.2)
 
 
+def engine_args(cluster: lc.PDCluster) -> list[str]:
+    """``--engine-metrics``: the decode servers' plugin endpoints (live batches, step laws)."""
+    urls = [f"http://127.0.0.1:{spec.eldr_metrics_port}/metrics" for _, spec in cluster.decodes]
+    return ["--engine-metrics", ",".join(urls)]
+
+
+def online_laws(router_url: str, cluster: lc.PDCluster, wait_s: float = 30.0) -> dict:
+    """The step law the router fitted per decode server from its engine's samples (its
+    /eldr/status), waiting up to ``wait_s`` for every server's first fit."""
+    deadline = time.time() + wait_s
+    laws: dict = {}
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(f"{router_url}/eldr/status", timeout=10) as resp:
+                reports = json.loads(resp.read()).get("engine_reports") or {}
+        except OSError:
+            reports = {}
+        laws = {url: rep["law"] for url, rep in reports.items() if rep.get("law")}
+        if len(laws) == len(cluster.decodes):
+            break
+        time.sleep(1.0)
+    return laws
+
+
 def run_one(name: str, router: lc.ManagedProcess, cluster: lc.PDCluster, args, out: Path, trace_dir: Path) -> dict:
     router.wait_ready(timeout=90)
     lc.flush_cache(cluster.prefills[0][0].url)
@@ -140,7 +165,9 @@ def run_one(name: str, router: lc.ManagedProcess, cluster: lc.PDCluster, args, o
     for r in steps:
         tokens[r["server"]] += r["batch_size"]
     load = np.array([tokens[f] for f in sorted(after)], dtype=float)
+    laws = online_laws(router.url, cluster) if name.startswith("eldr-router/") else {}
     row = {"router": name, **{k: res.get(k) for k in FIGURES}, "wall_s": round(time.time() - t0, 1),
+           "online_laws": laws,
            "decode_steps": len(steps),
            "distinct_experts_per_step": float(np.mean([sum(r["unique_per_layer"]) for r in steps])) if steps else None,
            "mean_batch": float(np.mean([r["batch_size"] for r in steps])) if steps else None,
@@ -223,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         env={"OMP_NUM_THREADS": str(args.threads)} if args.threads else None,
         prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus)
     paths = [(f"eldr-router/{p}", lambda p=p: lc.start_eldr_router(
-        cluster, logs, policy=p, port=router_port, artifact=artifact if reads_artifact(policy_spec(p)) else None))
+        cluster, logs, policy=p, port=router_port, artifact=artifact if reads_artifact(policy_spec(p)) else None,
+        extra_args=engine_args(cluster)))
         for p in args.policies]
     if not args.no_sglang_router:
         paths.append((SGLANG_ROUTER, lambda: lc.start_sglang_router(cluster, logs)))

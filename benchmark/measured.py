@@ -107,7 +107,27 @@ def real_cpu_table(r: dict) -> list[str]:
                   f"{fit['r2']:.2f}): {fit['intercept_ms']:.1f} ms + {fit['ms_per_sequence']:.2f} ms per sequence "
                   f"in the batch + {fit['ms_per_distinct_expert']:.3f} ms per distinct expert (summed over layers); "
                   f"mean {fit['mean_forward_ms']:.1f} ms a step."]
+    lines += online_law_lines(r)
     return lines
+
+
+def online_law_lines(r: dict) -> list[str]:
+    """The step laws the router fitted online per decode server (``--engine-metrics``),
+    beside the offline fit: median (min-max) over runs of the per-expert term."""
+    per: dict[str, list[dict]] = {}
+    for run in r.get("runs", []):
+        for url, law in (run.get("online_laws") or {}).items():
+            per.setdefault(url, []).append(law)
+    if not per:
+        return []
+    cells = []
+    for url, laws in sorted(per.items()):
+        pe = sorted(1e3 * law["per_expert_s"] for law in laws)
+        r2 = sorted(law["r2"] for law in laws)
+        cells.append(f"{url}: {pe[len(pe) // 2]:.3f} ms per distinct expert ({pe[0]:.3f}-{pe[-1]:.3f}), "
+                     f"R^2 {r2[len(r2) // 2]:.2f}, over {len(laws)} runs")
+    return ["", "Step law the router fitted online from each decode engine's samples (/eldr/batch): "
+            + "; ".join(cells) + "."]
 
 
 def pd_run_setup(r: dict, servers: str) -> str:
