@@ -141,7 +141,9 @@ class EngineConfig:
         doc="Prometheus endpoint of the scheduler process: `eldr_decode_steps_total`, "
             "`eldr_decode_unique_experts_total`, `eldr_decode_unique_experts_per_step`, "
             "`eldr_signatures_sent_total`, `eldr_signatures_dropped_total`, "
-            "`eldr_signatures_refused_destinations_total`")
+            "`eldr_signatures_refused_destinations_total`; and `GET /eldr/batch` (decode servers): the live "
+            "batch's per-expert usage and the last steps' batch size, distinct experts, KV tokens and "
+            "forward time, which the router reads with `--engine-metrics` (bound to the server's `--host`)")
     trace_dir: str | None = _flag(
         "trace mode: per-request expert counts as JSON lines", "DIR", _directory,
         doc="trace mode: each request's prefill expert counts (all layers unless given) as JSON "
