@@ -1,0 +1,76 @@
+"""NVIDIA Dynamo (ai-dynamo 1.6.1): pin the ELDR decode worker in the frontend's KV router.
+
+Dynamo's frontend takes an explicit target per request: with prefill/decode
+disaggregation it needs BOTH ``x-dynamo-worker-instance-id: <decode instance>`` and
+``x-dynamo-prefill-instance-id: <prefill instance>`` (one of them alone is a 400 in
+disaggregated mode); the pinned request still runs through the frontend's
+preprocessor, its prefill router and its KV transfer, only the choice is ours.
+
+Worker identities come from the frontend itself: ``GET /health`` lists every live
+instance (``component``, ``endpoint``, ``instance_id``), whatever the discovery
+backend (file, etcd, Kubernetes). Decode workers are the instances of
+``decode_component`` (``backend``, the default of ``python -m dynamo.mocker`` and
+the engines' decode workers), prefill workers those of ``prefill_component``
+(``prefill``), both on endpoint ``generate``. An instance that leaves discovery
+(graceful stop, or its lease expiring after a crash) leaves the mapping at the next
+refresh; a pinned instance the frontend refuses (400 unknown / 503 unavailable, as
+for a crashed worker still listed) is quarantined and the request goes unpinned.
+
+The prefill instance rotates round robin over the listed ones: ELDR has no opinion
+on prefill, and Dynamo's own prefill choice needs the request unpinned (the frontend
+takes the two headers together).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional
+
+import orjson
+
+from eldr_sglang.integrations.prerouter import PreRouter
+from eldr_sglang.integrations.scorer import Choice
+
+DECODE_HEADER = "x-dynamo-worker-instance-id"
+PREFILL_HEADER = "x-dynamo-prefill-instance-id"
+
+
+class DynamoPreRouter(PreRouter):
+    kind = "dynamo"
+    # 400: an instance id the frontend does not know; 503: one it lists but cannot reach
+    repin_statuses = frozenset({400, 404, 503})
+
+    def __init__(self, frontend_url: str, scorer: Any, *, decode_component: str = "backend",
+                 prefill_component: str = "prefill", endpoint: str = "generate",
+                 namespace: Optional[str] = None, **kw: Any) -> None:
+        super().__init__(frontend_url, scorer, **kw)
+        self.decode_component, self.prefill_component = decode_component, prefill_component
+        self.endpoint, self.namespace = endpoint, namespace
+        self.prefills: list[str] = []
+        self._rr = itertools.count()
+
+    async def discover(self) -> None:
+        async with self.session.get(self.host_url + "/health") as r:
+            doc = orjson.loads(await r.read())
+        decodes, prefills = [], []
+        for inst in doc.get("instances", []):
+            if inst.get("endpoint") != self.endpoint:
+                continue
+            if self.namespace is not None and inst.get("namespace") != self.namespace:
+                continue
+            iid = str(inst.get("instance_id"))
+            if inst.get("component") == self.decode_component:
+                decodes.append(iid)
+            elif inst.get("component") == self.prefill_component:
+                prefills.append(iid)
+        self.prefills = sorted(set(prefills))
+        self.set_workers(sorted(set(decodes)))
+
+    def pin_headers(self, choice: Choice) -> Optional[dict[str, str]]:
+        headers = {DECODE_HEADER: choice.worker}
+        if self.prefills:  # disaggregated: the frontend needs both ids
+            headers[PREFILL_HEADER] = self.prefills[next(self._rr) % len(self.prefills)]
+        return headers
+
+    def describe(self) -> dict:
+        return {"prefills": self.prefills, "decode_header": DECODE_HEADER, "prefill_header": PREFILL_HEADER}

@@ -1,0 +1,165 @@
+"""The ELDR decision for a host router: which decode worker a request should go to.
+
+Two scorers answer the same question, ``choose(body, endpoint, workers, loads)``:
+
+* :class:`LocalScorer` (in process, the default): the artifact's signature predictor
+  (:class:`~eldr_sglang.router.scoring.PredictedRouting`) and the router's default
+  policy (``eldr_balanced``, any registered name) decide over the adapter's current
+  worker list with the loads the adapter sees (its own in-flight requests per worker).
+  The policy's server list follows the worker list (``add_server``/``remove_server``),
+  so per-server state (centroid ownership) survives a worker joining or leaving.
+* :class:`RemoteScorer`: ``POST /eldr/score`` of a running co-located ELDR router. The
+  pick there is made with that router's loads (its own in-flight counts), and its
+  ``server`` URL is matched to a worker by URL where workers have URLs (SMG), else its
+  ``index`` is taken over the adapter's worker order.
+
+Both return ``None`` when they cannot decide (no predictor, no tokens, no workers);
+the adapter then lets the host router choose. Neither ever raises into the request
+path: the adapter catches and falls back (see :mod:`.prerouter`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import aiohttp
+import numpy as np
+import orjson
+
+from eldr_sglang.core.policies import PolicyContext, RouteRequest, build_policy
+from eldr_sglang.prompts import Tokenizer, default_tokenizer_path, load_tokenizer
+from eldr_sglang.router.scoring import PredictedRouting, decide
+from eldr_sglang.router.signatures import load_calibration
+
+
+@dataclass
+class Choice:
+    """One ELDR decision: the worker (adapter key), the predicted region, the path."""
+
+    worker: str
+    region: Optional[int] = None
+    path: str = "predicted"  # predicted | fallback | blind (router.scoring.PATHS)
+    ticket: Any = None  # the policy's admit token (LocalScorer), released by the adapter
+    elapsed_s: float = 0.0
+
+
+class LocalScorer:
+    """Predicted signature + the policy, in process (no I/O).
+
+    ``artifact``: a CalibrationArtifact with a predictor (or a path to one);
+    ``tokenizer``: a Tokenizer, a path, or None for the one the artifact names."""
+
+    def __init__(self, artifact: Any, tokenizer: Any = None, policy: str = "eldr_balanced",
+                 policy_params: Optional[dict] = None, tau: Optional[float] = None, seed: int = 0) -> None:
+        if isinstance(artifact, (str, bytes)) or hasattr(artifact, "__fspath__"):
+            artifact = load_calibration(str(artifact))
+        if tokenizer is None or isinstance(tokenizer, str) or hasattr(tokenizer, "__fspath__"):
+            path = tokenizer if tokenizer is not None else default_tokenizer_path(artifact)
+            tokenizer = load_tokenizer(path) if path else None
+        self.artifact, self.tokenizer = artifact, tokenizer
+        self.routing = PredictedRouting(artifact, tokenizer)
+        self.policy_name, self.policy_params, self.tau, self.seed = policy, policy_params, tau, seed
+        self.centroids = np.asarray(artifact.centroids, dtype=np.float32)
+        self.policy: Any = None
+        self.order: list[str] = []  # the policy's server order (adapter worker keys)
+
+    @property
+    def can_predict(self) -> bool:
+        return self.routing.can_predict
+
+    def _sync(self, workers: Sequence[str]) -> None:
+        """Keep the policy's server list equal to ``workers`` (as a set; order of arrival)."""
+        if self.policy is None:
+            if not workers:
+                return
+            self.order = list(workers)
+            art_tau = getattr(self.artifact, "tau", None)
+            ctx = PolicyContext(len(self.order), seed=self.seed, tau=self.tau, centroids=self.centroids,
+                                artifact_tau=None if art_tau is None else float(art_tau),
+                                params=self.policy_params)
+            self.policy = build_policy(self.policy_name, ctx)
+            return
+        live = set(workers)
+        for i in range(len(self.order) - 1, -1, -1):
+            if self.order[i] not in live and len(self.order) > 1:
+                self.policy.remove_server(i)
+                del self.order[i]
+        for w in workers:
+            if w not in self.order:
+                self.policy.add_server()
+                self.order.append(w)
+
+    def route(self, body: dict, endpoint: str) -> Optional[RouteRequest]:
+        items = self.routing.token_ids(body, endpoint)  # ValueError: the adapter falls back
+        if not items or not self.can_predict:
+            return None
+        route, _ = self.routing.route(items)
+        return route
+
+    async def choose(self, body: dict, endpoint: str, workers: Sequence[str],
+                     loads: dict[str, int]) -> Optional[Choice]:
+        t0 = time.perf_counter()
+        if not workers:
+            return None
+        route = self.route(body, endpoint)
+        if route is None:
+            return None
+        self._sync(workers)
+        live = set(workers)
+        allowed = [w in live for w in self.order]
+        dec, path = decide(self.policy, route, [int(loads.get(w, 0)) for w in self.order], allowed)
+        worker = self.order[dec.index]
+        if worker not in live:  # every allowed server was excluded: the policy picked any
+            return None
+        region = int(np.argmax(self.centroids @ route.signature))
+        ticket = self.policy.admit(dec.index, route)
+        return Choice(worker, region, path, ticket, time.perf_counter() - t0)
+
+    def release(self, choice: Choice) -> None:
+        if self.policy is not None and choice.ticket is not None:
+            self.policy.release(choice.ticket)
+
+
+class RemoteScorer:
+    """``POST {url}/eldr/score`` of a co-located ELDR router, with a short time limit."""
+
+    remote = True
+
+    def __init__(self, url: str, timeout_s: float = 0.25, api_key: Optional[str] = None) -> None:
+        self.url = url.rstrip("/") + "/eldr/score"
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.session: Optional[aiohttp.ClientSession] = None
+
+    async def start(self) -> None:
+        if self.session is None:
+            self.session = aiohttp.ClientSession(timeout=self.timeout)
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    async def choose(self, body: dict, endpoint: str, workers: Sequence[str],
+                     loads: dict[str, int]) -> Optional[Choice]:
+        t0 = time.perf_counter()
+        if not workers:
+            return None
+        await self.start()
+        async with self.session.post(self.url, data=orjson.dumps({**body, "endpoint": endpoint}),
+                                     headers=self.headers) as r:
+            if r.status != 200:
+                raise RuntimeError(f"/eldr/score answered {r.status}")
+            doc = orjson.loads(await r.read())
+        server, index = str(doc.get("server", "")).rstrip("/"), int(doc["index"])
+        by_url = {w.rstrip("/"): w for w in workers}
+        worker = by_url.get(server) or list(workers)[index % len(workers)]
+        return Choice(worker, doc.get("region"), str(doc.get("path", "predicted")), None,
+                      time.perf_counter() - t0)
+
+    def release(self, choice: Choice) -> None:
+        pass

@@ -1,0 +1,170 @@
+"""ELDR pinned in SMG (sglang-router 0.3.2, PD mode, ``--decode-policy manual``) by the
+pre-router of eldr_sglang.integrations, on stub workers (loopback only): requests land
+on the decode worker the ELDR decision names (recorded per request), a decode worker
+that disappears leaves the mapping, and the adapter's own failure leaves the choice
+to SMG without failing a request."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+
+import aiohttp
+import orjson
+import pytest
+
+from eldr_sglang.integrations import LocalScorer, RemoteScorer, SmgPreRouter, serve
+from eldr_sglang.router.app import start_router
+from eldr_sglang.router.colocated import ColocatedRouter
+from eldr_sglang.testing.local_cluster import free_port, sglang_router_argv
+from eldr_sglang.testing.stub_worker import StubWorker
+from tests.helpers import LOG_DIR, until
+from tests.integration.integrations_helpers import (FailingScorer, non_loopback_listeners, tokenizer,
+                                                    topic_artifact, topic_prompt)
+
+pytest.importorskip("sglang_router", reason="sglang-router (SMG) is not installed")
+
+
+@contextlib.asynccontextmanager
+async def smg_cluster(n_decode: int = 2):
+    """1 prefill + n decode stubs, SMG in PD mode with the manual decode policy; yields
+    (smg_url, metrics_url, prefill, decodes, proc)."""
+    prefill = StubWorker("prefill", name="p0", send_signature=False)
+    decodes = [StubWorker("decode", name=f"d{i}") for i in range(n_decode)]
+    purl = await prefill.start()
+    durls = [await d.start() for d in decodes]
+    port = free_port()
+    argv = sglang_router_argv(port, "--pd-disaggregation", "--prefill", purl, "8998",
+                              *sum((["--decode", u] for u in durls), []),
+                              "--prefill-policy", "round_robin", "--decode-policy", "manual",
+                              "--assignment-mode", "random", "--health-check-interval-secs", "1",
+                              "--health-failure-threshold", "1")
+    mport = argv[argv.index("--prometheus-port") + 1]
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    log = open(LOG_DIR / "smg-integration.log", "wb")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            async def ready():
+                try:
+                    async with http.post(url + "/generate", json={"text": "x", "sampling_params":
+                                                                  {"max_new_tokens": 1}}) as r:
+                        return r.status == 200
+                except aiohttp.ClientError:
+                    return False
+            await until(ready, 90, "SMG answers a request")
+        assert non_loopback_listeners([proc.pid]) == [], "SMG listens outside loopback"
+        yield url, f"http://127.0.0.1:{mport}/metrics", prefill, decodes, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        log.close()
+        for w in [prefill, *decodes]:
+            await w.stop()
+
+
+@contextlib.asynccontextmanager
+async def adapter(pre):
+    runner, port = await serve(pre, "127.0.0.1", 0)
+    http = aiohttp.ClientSession()
+    try:
+        yield f"http://127.0.0.1:{port}", http
+    finally:
+        await http.close()
+        await runner.cleanup()
+
+
+async def send(http, url, k: int, seed: int, rid: str, stream: bool = False):
+    body = {"text": topic_prompt(k, seed), "sampling_params": {"max_new_tokens": 2}, "stream": stream}
+    async with http.post(url + "/generate", data=orjson.dumps(body), headers={"X-Request-Id": rid, "Content-Type": "application/json"}) as r:
+        raw = await r.read()
+        assert r.status == 200, raw
+        if stream:
+            first = [ln for ln in raw.decode().split("\n") if ln.startswith("data: {")][0]
+            doc = orjson.loads(first[6:])
+        else:
+            doc = orjson.loads(raw)
+        return doc["meta_info"]["server"], r.headers.get("X-ELDR-Worker"), r.headers.get("X-ELDR-Path")
+
+
+async def test_smg_requests_land_on_the_eldr_decision_and_a_lost_worker_leaves():
+    async with smg_cluster() as (url, metrics, prefill, decodes, proc):
+        name = {d.url.rstrip("/"): d.name for d in decodes}
+        pre = SmgPreRouter(url, LocalScorer(topic_artifact(), tokenizer()), metrics_url=metrics, refresh_s=0.2)
+        async with adapter(pre) as (aurl, http):
+            await until(lambda: len(pre.keys) == 2, 60, "a routing key learned for each decode worker")
+            assert set(pre.keys) == set(name)
+            landed = {}
+            for i in range(12):
+                k = i % 2
+                served, pinned, path = await send(http, aurl, k, seed=i, rid=f"r{i}", stream=(i % 3 == 0))
+                assert path == "pinned", path
+                assert served == name[pinned], (i, served, pinned)  # landed where ELDR decided
+                landed.setdefault(k, set()).add(served)
+            # the decision follows the predicted region: each topic on its own worker
+            assert len(landed[0]) == 1 and len(landed[1]) == 1 and landed[0] != landed[1]
+            recorded = {d["rid"]: d for d in pre.decisions}
+            assert all(recorded[f"r{i}"]["path"] == "pinned" for i in range(12))
+
+            # a decode worker disappears: SMG marks it unhealthy, the adapter drops it
+            gone = decodes[1]
+            await gone.stop()
+            await until(lambda: gone.url.rstrip("/") not in pre.workers, 30, "the lost worker leaves the mapping")
+            assert gone.url.rstrip("/") not in pre.keys
+            for i in range(6):
+                served, pinned, path = await send(http, aurl, i % 2, seed=100 + i, rid=f"g{i}")
+                assert served == decodes[0].name
+                assert path == "pinned" and pinned == decodes[0].url.rstrip("/")
+
+
+async def test_smg_adapter_failure_falls_back_to_smg_choice():
+    async with smg_cluster() as (url, metrics, prefill, decodes, proc):
+        # the scorer fails on every request: SMG chooses, nothing fails
+        pre = SmgPreRouter(url, FailingScorer(), metrics_url=metrics, refresh_s=0.2)
+        async with adapter(pre) as (aurl, http):
+            await until(lambda: len(pre.workers) == 2, 30, "decode workers discovered")
+            for i in range(6):
+                served, pinned, path = await send(http, aurl, i % 2, seed=i, rid=f"f{i}")
+                assert pinned == "-" and path == "fallback_scorer_error"
+            assert pre.counters["fallback_scorer_error"] == 6
+        # a remote scorer that is not running: same
+        pre = SmgPreRouter(url, RemoteScorer(f"http://127.0.0.1:{free_port()}", timeout_s=0.2),
+                           metrics_url=metrics, refresh_s=0.2)
+        async with adapter(pre) as (aurl, http):
+            await until(lambda: len(pre.workers) == 2, 30, "decode workers discovered")
+            for i in range(4):
+                served, pinned, path = await send(http, aurl, i % 2, seed=i, rid=f"x{i}")
+                assert pinned == "-" and path.startswith("fallback_scorer")
+        # the remote scorer up (a co-located ELDR router over the decode URLs): pinned by URL
+        scoring = ColocatedRouter([d.url for d in decodes], artifact=topic_artifact(), tokenizer=tokenizer(),
+                                  policy="eldr_balanced", health_interval=0, load_interval=0)
+        runner, sport = await start_router(scoring)
+        try:
+            pre = SmgPreRouter(url, RemoteScorer(f"http://127.0.0.1:{sport}"), metrics_url=metrics,
+                               refresh_s=0.2)
+            async with adapter(pre) as (aurl, http):
+                await until(lambda: len(pre.keys) == 2, 60, "keys learned")
+                name = {d.url.rstrip("/"): d.name for d in decodes}
+                seen = set()
+                for i in range(6):
+                    served, pinned, path = await send(http, aurl, i % 2, seed=i, rid=f"s{i}")
+                    assert path == "pinned" and served == name[pinned]
+                    seen.add(served)
+                assert len(seen) == 2
+        finally:
+            await runner.cleanup()
+        # region keys: no probes, each predicted region sticks to one worker of SMG's choosing
+        pre = SmgPreRouter(url, LocalScorer(topic_artifact(), tokenizer()), key_mode="region", refresh_s=0.2)
+        async with adapter(pre) as (aurl, http):
+            await until(lambda: len(pre.workers) == 2, 30, "decode workers discovered")
+            by_region = {}
+            for i in range(8):
+                served, _, path = await send(http, aurl, i % 2, seed=i, rid=f"k{i}")
+                assert path == "pinned"
+                by_region.setdefault(i % 2, set()).add(served)
+            assert all(len(v) == 1 for v in by_region.values())
