@@ -378,3 +378,55 @@ async def test_signature_lines_of_any_shape_do_not_stall_the_event_loop():
         w.close()
         print(f"signature lines: worst loop stall {watch.worst:.3f} s")
         assert watch.worst < 0.5, f"the event loop stalled {watch.worst:.3f} s"
+
+
+async def test_idle_signature_connections_never_take_the_client_ports_descriptors():
+    """A router limited to 256 open files; 400 idle connections to its signature port;
+    client requests are still served (issue 35: 1,010 idle connections under
+    ``ulimit -n 1024`` made every client request fail)."""
+    import resource
+    import subprocess
+    import sys
+
+    from eldr_sglang.testing.local_cluster import free_port
+    from eldr_sglang.testing.stub_worker import StubWorker
+
+    prefill, decode = StubWorker("prefill", send_signature=False), StubWorker("decode")
+    purl, durl = await prefill.start(), await decode.start()
+    port, sig_port = free_port(), free_port()
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+    proc = subprocess.Popen([sys.executable, "-m", "eldr_sglang.router", "--prefill", purl, "8998",
+                             "--decode", durl, "--policy", "round_robin", "--host", "127.0.0.1",
+                             "--port", str(port), "--signature-port", str(sig_port),
+                             "--health-interval", "0", "--load-interval", "0", "--log-level", "error"],
+                            preexec_fn=limit, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    conns = []
+    try:
+        import aiohttp
+        async with aiohttp.ClientSession() as http:
+            async def ready():
+                try:
+                    async with http.get(f"http://127.0.0.1:{port}/health") as r:
+                        return r.status == 200
+                except aiohttp.ClientError:
+                    return proc.poll() is not None
+            await until(ready, what="the router up")
+            assert proc.poll() is None, proc.stderr.read()
+            for _ in range(400):
+                conns.append(await asyncio.open_connection("127.0.0.1", sig_port))
+            for i in range(20):
+                st, raw = await post(http, f"http://127.0.0.1:{port}/generate", {"text": f"hello {i}"})
+                assert st == 200, raw
+            async with http.get(f"http://127.0.0.1:{port}/eldr/status") as r:
+                streams = (await r.json())["signature_streams"]
+            assert streams <= (256 - 64) // 8
+    finally:
+        for _, w in conns:
+            w.close()
+        proc.terminate()
+        proc.wait(15)
+        await prefill.stop()
+        await decode.stop()
