@@ -41,7 +41,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -52,7 +52,7 @@ from .workload import SimWorkload
 
 __all__ = ["SimConfig", "SimResult", "simulate", "arrival_times"]
 
-_ARRIVAL, _PREFILL_DONE, _STEP_DONE = 0, 1, 2
+_ARRIVAL, _PREFILL_DONE, _STEP_DONE, _REPORT = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -159,11 +159,11 @@ class _Server:
         self.busy = False
 
 
-def simulate(workload: SimWorkload, policy: Policy, config: SimConfig,
+def simulate(workload: SimWorkload, policy: Policy | Sequence[Policy], config: SimConfig,
              signatures: Optional[np.ndarray] = None, cost: Optional[CostParams] = None,
              placement: Optional[np.ndarray] = None,
              activations: Optional[np.ndarray] = None, counts: Optional[np.ndarray] = None,
-             rows=None) -> SimResult:
+             rows=None, engine_report_s: Optional[float] = None) -> SimResult:
     """Run one SIMULATED experiment; ``signatures`` [N, D] (rows of ``workload``) feed the policy,
     ``activations`` [N, D'] (per-step expert probabilities from prefill counts) feed policies
     that price a server's live batch; ``counts`` [N, n_sel, E] (raw prefill counts) feed
@@ -174,7 +174,18 @@ def simulate(workload: SimWorkload, policy: Policy, config: SimConfig,
 
     ``cost`` overrides ``config.cost``; ``placement`` ([E] or [L, E], trace-expert ->
     EP group) is used when the cost model has ``ep_size > 1``.
+
+    Router replicas: ``policy`` may be a list, one policy object per replica; each arrival
+    goes to a replica drawn uniformly (its own random stream, so the arrivals and their
+    rows stay those of a one-router run), which alone admits and releases it. Every
+    replica sees the servers' true in-flight counts (the shared load poll). With
+    ``engine_report_s``, every that many seconds each replica whose policy prices live
+    batches (``observe_engine``) is told each server's true batch: the sum of
+    ``log(1 - activation)`` over every request bound to it, whichever replica sent it
+    (the engines' ``/eldr/batch`` through the load poll).
     """
+    replicas = list(policy) if isinstance(policy, (list, tuple)) else [policy]
+    policy = replicas[0]
     params = cost or get_params(config.cost)
     rng = np.random.default_rng(config.seed)
     arrivals = arrival_times(config, rng)
@@ -193,6 +204,14 @@ def simulate(workload: SimWorkload, policy: Policy, config: SimConfig,
     wants_act = activations is not None and getattr(policy, "uses_activation", False)
     wants_counts = counts is not None and getattr(policy, "uses_counts", False)
     tokens: list = [None] * n  # the policy's admit() tokens, released at finish
+    owner = (np.random.default_rng([config.seed, 0x5EED]).integers(0, len(replicas), n) if len(replicas) > 1
+             else np.zeros(n, dtype=np.int64))  # the replica each arrival reaches
+    reporting = engine_report_s is not None and activations is not None
+    batch_log = None  # [num_decode, D'] true batch: sum of log(1 - activation) of the bound requests
+    if reporting:
+        from eldr_sglang.core.policies.state_aware import unused_log
+
+        batch_log = np.zeros((config.num_decode, activations.shape[1]))
     replay = workload.step_experts
     replay_len = replay.shape[1] if replay is not None else 0
     w0, w1 = config.warmup_s, config.warmup_s + config.measure_s
@@ -210,6 +229,11 @@ def simulate(workload: SimWorkload, policy: Policy, config: SimConfig,
         events.append((end + hold, r, _PREFILL_DONE, r))
         if early:
             events.append((arrivals[r], r, _ARRIVAL, r))
+    if reporting:
+        t = engine_report_s
+        while n and t < float(arrivals[-1]) + 60.0:  # binds end with the last prefill
+            events.append((t, -1, _REPORT, 0))
+            t += engine_report_s
     heapq.heapify(events)
     seq = n
 
@@ -263,8 +287,11 @@ def simulate(workload: SimWorkload, policy: Policy, config: SimConfig,
 
     def bind(r: int, req: RouteRequest) -> None:
         nonlocal load_sum, load_samples
-        s = policy.choose(req, loads)
-        tokens[r] = policy.admit(s, req)
+        pol = replicas[owner[r]]
+        s = pol.choose(req, loads)
+        tokens[r] = pol.admit(s, req)
+        if batch_log is not None:
+            batch_log[s] += unused_log(np.asarray(activations[pick[r]], dtype=np.float32))
         if w0 <= arrivals[r] < w1:
             load_sum += loads
             load_samples += 1
@@ -273,6 +300,13 @@ def simulate(workload: SimWorkload, policy: Policy, config: SimConfig,
 
     while events:
         now, _, kind, x = heapq.heappop(events)
+        if kind == _REPORT:
+            for pol in replicas:
+                observe = getattr(pol, "observe_engine", None)
+                if observe is not None:
+                    for k in range(config.num_decode):
+                        observe(k, batch_log[k].copy())
+            continue
         if kind == _ARRIVAL:  # early binding: chosen now, without a signature
             bind(x, RouteRequest(label=str(workload.labels[pick[x]])))
         elif kind == _PREFILL_DONE:
@@ -307,8 +341,12 @@ def simulate(workload: SimWorkload, policy: Policy, config: SimConfig,
                 sv.logsum -= workload.log1mp[pick[r]]
                 del sv.joined[r]
                 loads[s] -= 1
-                policy.release(tokens[r])
+                replicas[owner[r]].release(tokens[r])
                 tokens[r] = None
+                if batch_log is not None:
+                    batch_log[s] -= unused_log(np.asarray(activations[pick[r]], dtype=np.float32))
+                    if loads[s] == 0:
+                        batch_log[s] = 0.0  # drop accumulated rounding
             if sv.running == 0:
                 sv.logsum[:] = 0.0  # drop accumulated rounding
             admit(sv)
