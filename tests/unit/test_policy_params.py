@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from eldr_sglang.core.policies import PolicyContext, build_policy, make_policy, parse_params, policy_spec
-from eldr_sglang.core.policies.eldr_balanced import BALANCED_COST, DEFAULT_COST_BAND, BalancedParams
+from eldr_sglang.core.policies.eldr_balanced import (BALANCED_COST, DEFAULT_COST_BAND, DEFAULT_LOAD_CAP,
+                                                     DEFAULT_LOAD_SLACK, DEFAULT_SIM_BAND, DEFAULT_SIM_BAND_FULL,
+                                                     BalancedParams)
 from eldr_sglang.core.policies.params import param_names
 from eldr_sglang.core.policies.state_aware import StepCost
 from eldr_sglang.router import cli as router_cli
@@ -18,16 +20,18 @@ from eldr_sglang.router.config import RouterConfig
 WORKERS = ["--prefill", "http://127.0.0.1:30000", "8998", "--decode", "http://127.0.0.1:30001",
            "--decode", "http://127.0.0.1:30002"]
 LAW = ("base_s", "per_seq_s", "per_expert_s", "max_batch")
+BALANCED = ("cost_band", "load_cap", "load_slack", "sim_band", "sim_band_full", *LAW)
 
 
 def test_each_policy_declares_its_parameters():
-    assert param_names(policy_spec("eldr_balanced").params) == ("cost_band", "load_cap", *LAW)
+    assert param_names(policy_spec("eldr_balanced").params) == BALANCED
     assert param_names(policy_spec("state_aware").params) == LAW
     assert param_names(policy_spec("eldr").params) == ("tau",)
     for name in ("jsq", "round_robin", "random", "p2c", "domain"):
         assert param_names(policy_spec(name).params) == ()
     d = BalancedParams()
-    assert (d.cost_band, d.load_cap, d.step_cost()) == (DEFAULT_COST_BAND, None, BALANCED_COST)
+    assert (d.cost_band, d.load_cap, d.load_slack, d.sim_band, d.sim_band_full, d.step_cost()) == (
+        DEFAULT_COST_BAND, DEFAULT_LOAD_CAP, DEFAULT_LOAD_SLACK, DEFAULT_SIM_BAND, DEFAULT_SIM_BAND_FULL, BALANCED_COST)
 
 
 def test_text_values_are_typed_and_reach_the_policy():
@@ -53,7 +57,7 @@ def test_text_values_are_typed_and_reach_the_policy():
     ("eldr_balanced", {"max_batch": "0"}, "max_batch: expected an integer >= 1, got 0"),
     ("eldr_balanced", {"per_expert_s": True}, "per_expert_s: expected float, got True"),
     ("eldr_balanced", {"tau": "0.1"}, "tau: eldr_balanced has no parameter 'tau' (its parameters: "
-                                      "cost_band, load_cap, base_s, per_seq_s, per_expert_s, max_batch)"),
+                                      + ", ".join(BALANCED) + ")"),
     ("state_aware", {"per_seq_s": "-1"}, "per_seq_s: expected a finite number >= 0, got -1.0"),
     ("eldr", {"tau": "-1"}, "tau: expected a finite number >= 0, got -1.0"),
     ("jsq", {"tau": "0.1"}, "tau: jsq has no parameter 'tau' (it takes none)"),

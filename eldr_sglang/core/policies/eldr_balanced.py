@@ -32,10 +32,15 @@ import numpy as np
 
 from eldr_sglang.core.policies.base import Decision, PolicySpec, _candidates, register_policy
 from eldr_sglang.core.policies.eldr import CentroidOwnership
+from eldr_sglang.core.policies.locality import band_width, bounded, locality_pick
 from eldr_sglang.core.policies.params import check_int, check_number
 from eldr_sglang.core.policies.state_aware import StateAwarePolicy, StepCost
 
 DEFAULT_COST_BAND = 0.02
+DEFAULT_SIM_BAND: Optional[float] = None  # None: the cost band picks; a number: the locality pick (.locality)
+DEFAULT_SIM_BAND_FULL: Optional[float] = None  # the band when the mean in flight reaches max_batch (None: sim_band)
+DEFAULT_LOAD_CAP: Optional[float] = None
+DEFAULT_LOAD_SLACK = 0.0  # requests a server may hold above load_cap x the mean
 # StepCost() plus the KV read of a 750-token sequence (600 prompt + half of 300 output tokens)
 # at Qwen3-30B-A3B's 98,304 KV bytes per token on one MI300X (sim.cost_model.step_cost with
 # context_tokens=750; a test keeps them equal)
@@ -49,7 +54,10 @@ class BalancedParams:
     :data:`BALANCED_COST`)."""
 
     cost_band: float = DEFAULT_COST_BAND
-    load_cap: Optional[float] = None
+    load_cap: Optional[float] = DEFAULT_LOAD_CAP
+    load_slack: float = DEFAULT_LOAD_SLACK
+    sim_band: Optional[float] = DEFAULT_SIM_BAND
+    sim_band_full: Optional[float] = DEFAULT_SIM_BAND_FULL
     base_s: float = BALANCED_COST.base_s
     per_seq_s: float = BALANCED_COST.per_seq_s
     per_expert_s: float = BALANCED_COST.per_expert_s
@@ -58,6 +66,9 @@ class BalancedParams:
     def __post_init__(self) -> None:
         check_number("cost_band", self.cost_band)
         check_number("load_cap", self.load_cap, 1.0, optional=True)
+        check_number("load_slack", self.load_slack)
+        check_number("sim_band", self.sim_band, optional=True)
+        check_number("sim_band_full", self.sim_band_full, optional=True)
         self.step_cost()  # checks the law's fields
 
     def step_cost(self) -> StepCost:
@@ -71,12 +82,20 @@ class EldrBalancedPolicy(StateAwarePolicy):
 
     def __init__(self, num_servers: int, dim: Optional[int] = None, cost: StepCost = BALANCED_COST,
                  centroids: Optional[np.ndarray] = None, cost_band: float = DEFAULT_COST_BAND,
-                 load_cap: Optional[float] = None) -> None:
+                 load_cap: Optional[float] = DEFAULT_LOAD_CAP, sim_band: Optional[float] = DEFAULT_SIM_BAND,
+                 sim_band_full: Optional[float] = DEFAULT_SIM_BAND_FULL,
+                 load_slack: float = DEFAULT_LOAD_SLACK) -> None:
         check_number("cost_band", cost_band)
         check_number("load_cap", load_cap, 1.0, optional=True)
+        check_number("load_slack", load_slack)
+        check_number("sim_band", sim_band, optional=True)
+        check_number("sim_band_full", sim_band_full, optional=True)
         super().__init__(num_servers, dim, cost)
         self.cost_band = float(cost_band)
         self.load_cap = None if load_cap is None else float(load_cap)
+        self.load_slack = float(load_slack)
+        self.sim_band = None if sim_band is None else float(sim_band)
+        self.sim_band_full = None if sim_band_full is None else float(sim_band_full)
         self.ownership = None if centroids is None else CentroidOwnership(centroids, num_servers)
         self.centroids = None if self.ownership is None else self.ownership.centroids
 
@@ -92,10 +111,7 @@ class EldrBalancedPolicy(StateAwarePolicy):
 
     def _capped(self, cand: list[int], loads) -> list[int]:
         """Filter step: the candidates below their bounded-load capacity (all if none is)."""
-        if self.load_cap is None or len(cand) < 2:
-            return cand
-        cap = math.ceil(self.load_cap * (sum(loads[i] for i in cand) + 1) / len(cand))
-        return [i for i in cand if loads[i] < cap] or cand
+        return bounded(cand, loads, self.load_cap, self.load_slack)
 
     def explain(self, request, loads, allowed=None) -> Decision:
         n = len(loads)
@@ -115,6 +131,10 @@ class EldrBalancedPolicy(StateAwarePolicy):
         csims = self.centroids @ sig
         server_sims = self.ownership.gather(csims)
         sims = server_sims.tolist()
+        if self.sim_band is not None:  # bounded load (already applied), similarity band, cheapest
+            width = band_width(self.sim_band, self.sim_band_full, loads, cand, self.cost.max_batch)
+            idx, band = locality_pick(cand, loads, costs, sims, None, width)
+            return Decision(idx, self.name, "region_band", tuple(band), sims[idx], server_sims, csims)
         best = costs[cheapest]
         limit = best + abs(best) * self.cost_band  # holds the cheapest whatever its sign
         band = [i for i in cand if costs[i] <= limit]
@@ -123,7 +143,8 @@ class EldrBalancedPolicy(StateAwarePolicy):
 
     def describe(self) -> dict:
         out = super().describe()
-        out.update(policy=self.name, cost_band=self.cost_band, load_cap=self.load_cap,
+        out.update(policy=self.name, cost_band=self.cost_band, load_cap=self.load_cap, load_slack=self.load_slack,
+                   sim_band=self.sim_band, sim_band_full=self.sim_band_full,
                    ownership=None if self.ownership is None else self.ownership.as_lists())
         return out
 
@@ -131,6 +152,7 @@ class EldrBalancedPolicy(StateAwarePolicy):
 register_policy(PolicySpec(
     "eldr_balanced",
     lambda ctx, prm: EldrBalancedPolicy(ctx.num_servers, cost=prm.step_cost(), centroids=ctx.centroids,
-                                        cost_band=prm.cost_band, load_cap=prm.load_cap),
+                                        cost_band=prm.cost_band, load_cap=prm.load_cap, sim_band=prm.sim_band,
+                                        sim_band_full=prm.sim_band_full, load_slack=prm.load_slack),
     aliases=("balanced",), params=BalancedParams, uses_artifact=True, rebuild_on_reload=True,
     summary="least decode-time cost; within 2% of it, the most similar calibration region (default)"))
