@@ -27,7 +27,7 @@ import numpy as np
 
 import bench_state_aware as grid_bench
 from bench_default_policy import candidate_policy
-from common import command_line, markdown_table, write_record
+from common import QUICK_OUT, command_line, markdown_table, write_record
 from eldr_sglang.core.policies import PolicyContext, build_policy
 from eldr_sglang.sim import experiments
 from eldr_sglang.sim.calibration import prefill_activations
@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     g = dict(QUICK if a.quick else FULL)
     if a.seeds:
         g["seeds"] = a.seeds
-    a.json = a.json or (ROOT / ".cache" / "bench-quick" / "replicas.json" if a.quick else HERE / "results" / "replicas.json")
+    a.json = a.json or (QUICK_OUT / "replicas.json" if a.quick else HERE / "results" / "replicas.json")
     sweep = experiments.FULL
     base = SimConfig(num_prefill=max(8, g["k"] * 3 // 2), num_decode=g["k"], warmup_s=g["warmup_s"],
                      measure_s=g["measure_s"], cost=a.cost)

@@ -37,6 +37,7 @@ QUICK = {
     "bench_online_refit.py": [],
     "bench_placement.py": [],
     "bench_real_cpu.py": [],
+    "bench_replicas.py": ["--workloads", "task"],
     "microbench_moe_layer.py": [],
     "signature_memory.py": [],
     "warm_cold_precision.py": [],
