@@ -159,12 +159,14 @@ class PreRouter:
             if choice is not None and resp is not None and resp.status in self.repin_statuses:
                 detail = (await resp.read())[:200]
                 resp.release()
-                logger.warning("%s refused pinned worker %s (%s %r): host's choice", self.kind,
-                               choice.worker, resp.status, detail)
-                self._quarantine(choice.worker)
+                pinned_status = resp.status
                 self.counters["retried_unpinned"] += 1
                 record["retried"] = True
                 resp = await self._send(request.method, request.path_qs, raw, headers)
+                if resp is not None and resp.status < 400:  # the pin, not the request, was refused
+                    logger.warning("%s refused pinned worker %s (%s %r): quarantined, host's choice",
+                                   self.kind, choice.worker, pinned_status, detail)
+                    self._quarantine(choice.worker)
             if resp is None:
                 record["status"] = 502
                 return _error(502, f"host router {self.host_url} unreachable")

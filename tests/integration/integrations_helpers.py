@@ -10,6 +10,7 @@ import numpy as np
 
 from eldr_sglang.core import CalibrationArtifact, ModelSpec
 from eldr_sglang.core.predictor import SignaturePredictor
+from eldr_sglang.integrations.dynamo_local import non_loopback_listeners  # noqa: F401 (tests import it here)
 from eldr_sglang.prompts import load_tokenizer
 
 TOKENIZER_DIR = "models/eldr-tiny-moe"
@@ -81,27 +82,3 @@ class FailingScorer:
     def release(self, choice):
         pass
 
-
-def non_loopback_listeners(pids) -> list[tuple[int, str]]:
-    """Listening TCP/UDP sockets of ``pids`` and their children bound outside 127.0.0.0/8 / ::1."""
-    import psutil
-
-    bad = []
-    procs = []
-    for pid in pids:
-        try:
-            p = psutil.Process(pid)
-            procs += [p, *p.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            continue
-    for p in procs:
-        try:
-            conns = p.net_connections(kind="inet")
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        for c in conns:
-            if c.status in (psutil.CONN_LISTEN, psutil.CONN_NONE) and c.laddr:
-                ip = c.laddr.ip
-                if not (ip.startswith("127.") or ip == "::1"):
-                    bad.append((p.pid, f"{ip}:{c.laddr.port}"))
-    return bad
