@@ -157,7 +157,7 @@ class Malformed(str):
     (a short string, never the message's own bulk)."""
 
 
-MAX_MESSAGES = 1024  # messages in one body or line (publishers send batches of 64)
+MAX_MESSAGES = 256  # messages in one body or line (publishers send batches of 64)
 
 
 def preparse(raw: bytes) -> Any:

@@ -419,7 +419,11 @@ class SignatureStream(asyncio.Protocol):
             w.set_result(None)
 
     async def _consume(self) -> None:
+        handled = 0
         while True:
+            handled += 1
+            if handled % 16 == 0:
+                await asyncio.sleep(0)  # small lines are handled without a pause: let others run
             if not self.lines:
                 if self.closed:
                     return

@@ -378,6 +378,21 @@ async def test_signature_lines_of_any_shape_do_not_stall_the_event_loop():
         w.close()
         print(f"signature lines: worst loop stall {watch.worst:.3f} s")
         assert watch.worst < 0.5, f"the event loop stalled {watch.worst:.3f} s"
+        # many small lines at once: handled with pauses for the rest of the loop
+        _, w = await asyncio.open_connection("127.0.0.1", router.intake.port)
+        before = router.metrics.value("signature_messages")
+        with LoopWatch() as watch:
+            w.write(b'{"bootstrap_room": "not a room"}\n' * 30_000)
+            await w.drain()
+            await until(lambda: router.metrics.value("signature_messages") >= before + 30_000,
+                        what="every small line looked at")
+        w.close()
+        print(f"30,000 small lines: worst loop stall {watch.worst:.3f} s")
+        assert watch.worst < 0.5, f"the event loop stalled {watch.worst:.3f} s"
+        # a body of more messages than any publisher sends at once: refused whole
+        many = [{"bootstrap_room": 1000 + i, "layers": [0], "counts": [[1]]} for i in range(300)]
+        st, raw = await post(http, f"{url}/eldr/signature", many)
+        assert st == 400 and "at most 256" in orjson.loads(raw)["error"], raw
 
 
 async def test_idle_signature_connections_never_take_the_client_ports_descriptors():
