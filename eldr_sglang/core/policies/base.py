@@ -81,6 +81,36 @@ class Decision:
         return [(int(i), float(s[i])) for i in order]
 
 
+_SERVER_SIMS = Decision.__dict__["server_similarities"]  # the slots' descriptors
+_CENTROID_SIMS = Decision.__dict__["centroid_similarities"]
+
+
+class LazyDecision(Decision):
+    """A :class:`Decision` whose ``server_similarities`` / ``centroid_similarities`` are
+    computed when first read, by ``fill() -> ([N], [K])``: a policy that needed only a few
+    servers' similarities to decide skips the [K, D] matvec unless a reader (the decision
+    log, the A/B and shadow records, ``/eldr/score``) asks for them."""
+
+    __slots__ = ("_fill",)
+
+    def __init__(self, index: int, policy: str, reason: str, band: Optional[tuple[int, ...]],
+                 best_similarity: Optional[float], fill: Callable[[], tuple]) -> None:
+        Decision.__init__(self, index, policy, reason, band, best_similarity)
+        self._fill = fill
+
+    def _filled(self, slot: Any) -> Any:
+        fill = self._fill
+        if fill is not None:
+            self._fill = None
+            ss, cs = fill()
+            _SERVER_SIMS.__set__(self, ss)
+            _CENTROID_SIMS.__set__(self, cs)
+        return slot.__get__(self, Decision)
+
+    server_similarities = property(lambda self: self._filled(_SERVER_SIMS), _SERVER_SIMS.__set__)
+    centroid_similarities = property(lambda self: self._filled(_CENTROID_SIMS), _CENTROID_SIMS.__set__)
+
+
 def _candidates(n: int, allowed: Optional[Sequence[bool]]) -> np.ndarray:
     """Filter step: indices that may be picked (all of them if none is allowed)."""
     if n <= 0:

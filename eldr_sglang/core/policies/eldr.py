@@ -97,6 +97,25 @@ class CentroidOwnership:
             return sims[self.flat]
         return np.maximum.reduceat(sims[self.flat], self.offsets)
 
+    def similarity_of(self, server: int, signature: np.ndarray) -> float:
+        """Server ``server``'s similarity to a float32 signature (max over the centroids it
+        owns): one dot per owned centroid instead of the [K, D] matvec."""
+        flat = self.flat
+        if self.single:
+            return float(np.dot(self.centroids[flat[server]], signature))
+        end = self.offsets[server + 1] if server + 1 < len(self.offsets) else len(flat)
+        return float(max(np.dot(self.centroids[k], signature) for k in flat[self.offsets[server]:end]))
+
+    def similarities_later(self, signature: np.ndarray):
+        """``() -> ([N] server similarities, [K] centroid similarities)`` of this ownership as
+        it is now (a later membership change does not alter it)."""
+        centroids, flat, offsets, single = self.centroids, self.flat, self.offsets, self.single
+
+        def fill():
+            cs = centroids @ signature
+            return (cs[flat] if single else np.maximum.reduceat(cs[flat], offsets)), cs
+        return fill
+
     def _owner_count(self, k: int) -> int:
         return sum(k in h for h in self.homes)
 
