@@ -41,3 +41,12 @@ async def test_a_policy_fallback_is_counted_with_its_reason():
         assert router.metrics.value("fallbacks", reason="degenerate_cost") == 3
         assert router.metrics.value("fallbacks") == 3
         assert router.policy.describe()["fallbacks"] == {"degenerate_cost": 3}
+
+
+async def test_a_batch_whose_signatures_are_lost_is_one_fallback():
+    async with cluster(prefill_kw={"send_signature": False}, signature_timeout=0.2,
+                       signature_timeout_min=0.1) as (router, url, prefill, decodes, http):
+        st, raw = await post(http, f"{url}/generate", {"text": ["topic:1 a", "topic:2 b", "topic:3 c"]})
+        assert st == 200, raw
+        assert router.metrics.value("fallbacks", reason="timeout") == 1
+        assert router.metrics.value("fallbacks") == 1
