@@ -234,6 +234,9 @@ def render(doc: dict) -> str:
         for p in paths:
             rows.append([host, p, r[p]["n"], r[p]["p50_ms"], r[p]["p99_ms"], "", ""])
         a = r["added"]
+        if "load_average_1m" in r:
+            rows.append([host, f"(load average {r['load_average_1m'][0]} -> {r['load_average_1m'][1]} on "
+                         f"{os.cpu_count()} cores)", "", "", "", "", ""])
         rows.append([host, "**added by the pre-router**", "", a["p50_ms"], a["p99_ms"],
                      a["paired_median_ms"], f'{r["decision"]["p50"]} / {r["decision"]["p99"]}'])
         if "host_own" in r:
@@ -265,7 +268,10 @@ def main(argv=None) -> int:
         for host in [h.strip() for h in args.hosts.split(",") if h.strip()]:
             print(f"== {host}", flush=True)
             fn = {"smg": run_smg, "dynamo": run_dynamo}[host]
+            load0 = os.getloadavg()[0]
             doc["hosts"][host] = asyncio.run(fn(args, tmp, artifact))
+            # the machine is shared: its 1-minute load average before and after this host's run
+            doc["hosts"][host]["load_average_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
             write_record(args.json, doc, argv)
     print(render(doc))
     print(f"wrote {args.json}")
