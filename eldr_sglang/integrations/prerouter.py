@@ -152,7 +152,8 @@ class PreRouter:
         record = {"rid": rid, "worker": choice.worker if choice else None, "path": path,
                   "region": choice.region if choice else None, "status": None, "retried": False}
         self.decisions.append(record)
-        if choice is not None:
+        counted = choice is not None
+        if counted:
             self.inflight[choice.worker] += 1
         try:
             resp = await self._send(request.method, request.path_qs, raw, {**headers, **(pin or {})})
@@ -162,6 +163,8 @@ class PreRouter:
                 pinned_status = resp.status
                 self.counters["retried_unpinned"] += 1
                 record["retried"] = True
+                self.inflight[choice.worker] -= 1  # the retry is the host's, not this worker's
+                counted = False
                 resp = await self._send(request.method, request.path_qs, raw, headers)
                 if resp is not None and resp.status < 400:  # the pin, not the request, was refused
                     logger.warning("%s refused pinned worker %s (%s %r): quarantined, host's choice",
@@ -175,8 +178,9 @@ class PreRouter:
                            "X-ELDR-Path": "retried_unpinned" if record["retried"] else path}
             return await self._relay(request, resp, out_headers)
         finally:
-            if choice is not None:
+            if counted:
                 self.inflight[choice.worker] -= 1
+            if choice is not None:
                 self.scorer.release(choice)
 
     def _next(self) -> int:

@@ -146,7 +146,7 @@ async def test_refused_pin_goes_unpinned_and_is_quarantined():
         status, raw, h = await post(http, url, {"text": "a"})
         assert status == 200 and orjson.loads(raw) == {"pin": None}
         assert h["X-ELDR-Path"] == "retried_unpinned" and h["X-ELDR-Worker"] == "-"
-        assert "dead" in pre.quarantined
+        assert "dead" in pre.quarantined and pre.inflight["dead"] == 0
         status, raw, h = await post(http, url, {"text": "b"})  # the scorer no longer gets 'dead'
         assert orjson.loads(raw) == {"pin": "w0"} and h["X-ELDR-Path"] == "pinned"
 
