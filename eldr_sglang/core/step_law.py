@@ -13,9 +13,12 @@ Pure numeric; scipy is imported when a fit runs.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from eldr_sglang.core.policies.state_aware import StepCost
 
 MIN_SAMPLES = 16  # fewer steps than this: no law
 HUBER_K = 1.345  # Huber's tuning constant (95% efficiency under normal noise)
@@ -82,3 +85,17 @@ def fit_step_law(samples: Sequence[dict], rounds: int = 5) -> Optional[StepLaw]:
     r2 = 1.0 - float(np.sum(w * (y - pred) ** 2)) / ss_tot if ss_tot > 0 else 0.0
     c = coef / scale
     return StepLaw(float(c[0]), float(c[1]), float(c[2]), float(c[3]), r2, int(len(y)))
+
+
+def as_step_cost(law: StepLaw, expert_factor: float, samples: Sequence[dict], default: "StepCost") -> "StepCost":
+    """``law`` (engine units) as a policy's :class:`StepCost`. ``expert_factor``: the
+    engine's distinct experts per distinct expert the policy counts (the engine sums
+    every MoE layer, the policy the published ones: layers / published). The KV term is
+    folded into the per-sequence one at the samples' mean KV tokens per sequence; the
+    per-expert term is the trusted one (:meth:`StepLaw.trusted_per_expert`)."""
+    from eldr_sglang.core.policies.state_aware import StepCost
+
+    kv = [s.get("kv_tokens", 0) / s["batch_size"] for s in samples if s.get("batch_size")]
+    per_seq = law.per_seq_s + law.per_kv_token_s * (float(np.mean(kv)) if kv else 0.0)
+    return StepCost(base_s=law.base_s, per_seq_s=per_seq, per_expert_s=law.trusted_per_expert() * expert_factor,
+                    max_batch=default.max_batch)

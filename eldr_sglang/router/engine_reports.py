@@ -32,8 +32,8 @@ from typing import Any, Callable, Optional
 import aiohttp
 import numpy as np
 
-from eldr_sglang.core.policies.state_aware import P_MAX, StepCost
-from eldr_sglang.core.step_law import MIN_SAMPLES, StepLaw, fit_step_law
+from eldr_sglang.core.policies.state_aware import P_MAX
+from eldr_sglang.core.step_law import MIN_SAMPLES, StepLaw, as_step_cost, fit_step_law
 
 logger = logging.getLogger("eldr_sglang.router")
 
@@ -63,15 +63,6 @@ class ServerReport:
         return {"url": self.url, "steps": self.steps, "batch_size": self.batch_size,
                 "samples": len(self.samples), "errors": self.errors,
                 "law": self.law.to_dict() if self.law else None}
-
-
-def policy_law(law: StepLaw, num_layers: int, published: int, samples, default: StepCost) -> StepCost:
-    """``law`` (engine units) as the policy's :class:`StepCost` on ``published`` layers."""
-    kv = [s.get("kv_tokens", 0) / s["batch_size"] for s in samples if s.get("batch_size")]
-    per_seq = law.per_seq_s + law.per_kv_token_s * (float(np.mean(kv)) if kv else 0.0)
-    scale = num_layers / published if published else 1.0
-    return StepCost(base_s=law.base_s, per_seq_s=per_seq, per_expert_s=law.trusted_per_expert() * scale,
-                    max_batch=default.max_batch)
 
 
 class EngineReports:
@@ -159,7 +150,7 @@ class EngineReports:
         for policy in self.policies():
             setter = getattr(policy, "set_step_law", None)
             if setter is not None:
-                setter(index, policy_law(law, rep.num_layers, len(enc.layers), samples, policy.cost))
+                setter(index, as_step_cost(law, rep.num_layers / len(enc.layers), samples, policy.cost))
 
     def describe(self) -> dict:
         return {url: rep.describe() for url, rep in self.servers.items()}

@@ -163,7 +163,8 @@ def simulate(workload: SimWorkload, policy: Policy | Sequence[Policy], config: S
              signatures: Optional[np.ndarray] = None, cost: Optional[CostParams] = None,
              placement: Optional[np.ndarray] = None,
              activations: Optional[np.ndarray] = None, counts: Optional[np.ndarray] = None,
-             rows=None, engine_report_s: Optional[float] = None) -> SimResult:
+             rows=None, engine_report_s: Optional[float] = None, fit_law_s: Optional[float] = None,
+             sample_noise: float = 0.1) -> SimResult:
     """Run one SIMULATED experiment; ``signatures`` [N, D] (rows of ``workload``) feed the policy,
     ``activations`` [N, D'] (per-step expert probabilities from prefill counts) feed policies
     that price a server's live batch; ``counts`` [N, n_sel, E] (raw prefill counts) feed
@@ -183,6 +184,13 @@ def simulate(workload: SimWorkload, policy: Policy | Sequence[Policy], config: S
     batches (``observe_engine``) is told each server's true batch: the sum of
     ``log(1 - activation)`` over every request bound to it, whichever replica sent it
     (the engines' ``/eldr/batch`` through the load poll).
+
+    Step laws fitted online: with ``fit_law_s`` (and ``engine_report_s``), every decode
+    step also gives a sample (batch size, distinct experts summed over the model's MoE
+    layers, KV tokens, its time times a log-normal noise of sd ``sample_noise``), and
+    every ``fit_law_s`` seconds each server's law is fitted from its last samples
+    (:func:`~eldr_sglang.core.step_law.fit_step_law`, the router's fit) and handed to
+    every replica's policy (``set_step_law``): the policy is not told the simulator's law.
     """
     replicas = list(policy) if isinstance(policy, (list, tuple)) else [policy]
     policy = replicas[0]
@@ -207,6 +215,10 @@ def simulate(workload: SimWorkload, policy: Policy | Sequence[Policy], config: S
     owner = (np.random.default_rng([config.seed, 0x5EED]).integers(0, len(replicas), n) if len(replicas) > 1
              else np.zeros(n, dtype=np.int64))  # the replica each arrival reaches
     reporting = engine_report_s is not None and activations is not None
+    fitting = reporting and fit_law_s is not None
+    step_samples = [deque(maxlen=1024) for _ in range(config.num_decode)] if fitting else None
+    noise_rng = np.random.default_rng([config.seed, 0x1A3])
+    last_fit = 0.0
     batch_log = None  # [num_decode, D'] true batch: sum of log(1 - activation) of the bound requests
     if reporting:
         from eldr_sglang.core.policies.state_aware import unused_log
@@ -263,6 +275,10 @@ def simulate(workload: SimWorkload, policy: Policy | Sequence[Policy], config: S
         else:
             unique = layer_unique = (E - free.sum(axis=1)) * scale  # [L]
         dt = step_time(params, sv.running, sv.ctx, unique)
+        if step_samples is not None:  # what the engine reports: distinct experts over all its MoE layers
+            step_samples[s].append({"batch_size": sv.running, "kv_tokens": sv.ctx,
+                                    "unique_experts": float(np.mean(layer_unique)) * params.num_moe_layers,
+                                    "seconds": dt * float(np.exp(sample_noise * noise_rng.standard_normal()))})
         if w0 <= now < w1:
             step_count += 1
             batch_sum += sv.running
@@ -301,6 +317,9 @@ def simulate(workload: SimWorkload, policy: Policy | Sequence[Policy], config: S
     while events:
         now, _, kind, x = heapq.heappop(events)
         if kind == _REPORT:
+            if fitting and now - last_fit >= fit_law_s:
+                last_fit = now
+                fit_laws(replicas, step_samples, params.num_moe_layers * scale / activations.shape[1] * E)
             for pol in replicas:
                 observe = getattr(pol, "observe_engine", None)
                 if observe is not None:
@@ -363,6 +382,20 @@ def simulate(workload: SimWorkload, policy: Policy | Sequence[Policy], config: S
     result.summary["prefill_kv_held_tokens"] = float((prompt[m] * hold).sum() / config.measure_s)
     result.summary["binding"] = config.binding
     return result
+
+
+def fit_laws(replicas: Sequence[Policy], samples: Sequence, expert_factor: float) -> None:
+    """Each server's step law from its samples, handed to every replica that prices with laws."""
+    from eldr_sglang.core.step_law import as_step_cost, fit_step_law
+
+    for k, buf in enumerate(samples):
+        law = fit_step_law(list(buf))
+        if law is None:
+            continue
+        for pol in replicas:
+            setter = getattr(pol, "set_step_law", None)
+            if setter is not None:
+                setter(k, as_step_cost(law, expert_factor, buf, pol.cost))
 
 
 def _group_matrix(placement: Optional[np.ndarray], L: int, E: int, groups: int) -> np.ndarray:

@@ -76,3 +76,20 @@ def test_engine_reports_let_a_replica_price_the_others_requests(data):
     priced = np.array([u for u, _ in seen])
     own_only = np.array([4 * act.shape[1] - f for _, f in seen])
     assert len(seen) > 50 and priced.mean() > own_only.mean()
+
+
+def test_laws_fitted_online_from_noisy_steps_approach_the_simulators_law(data):
+    """The policy is not told the simulator's law: it fits one per server from noisy step
+    samples, and the fitted per-expert term is close to what the true law gives."""
+    from eldr_sglang.sim.cost_model import get_params, step_cost
+
+    wl, act = data
+    pol = StateAwarePolicy(4)
+    simulate(wl, pol, config(rate=60.0, measure_s=20.0), activations=act, engine_report_s=0.5, fit_law_s=2.0,
+             sample_noise=0.1)
+    params = get_params(config().cost)
+    n_sel = act.shape[1] // wl.num_experts
+    true = step_cost(params, n_sel, expert_scale=params.num_experts / wl.num_experts)
+    assert all(law is not None for law in pol.laws)
+    fitted = np.array([law.per_expert_s for law in pol.laws])
+    assert np.all(np.abs(fitted / true.per_expert_s - 1) < 0.25), (fitted, true.per_expert_s)
