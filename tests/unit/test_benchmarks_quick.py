@@ -38,6 +38,7 @@ QUICK = {
     "bench_placement.py": [],
     "bench_real_cpu.py": [],
     "bench_replicas.py": ["--workloads", "task"],
+    "bench_law_fit.py": ["--workloads", "task"],
     "microbench_moe_layer.py": [],
     "signature_memory.py": [],
     "warm_cold_precision.py": [],
