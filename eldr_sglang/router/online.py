@@ -221,6 +221,10 @@ class OnlineController:
             self.calibrator.artifact = artifact
             self.calibrator.monitor = None
             self.fitted_at = time.time()
+            held, self.pending = self.pending, []  # the artifact fixes the shape now
+            for m in held:
+                if self.fits(m) is None:
+                    self._feed(m)
 
     # ------------------------------------------------------------ observability
     def update_gauges(self) -> None:
