@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
                     help="policies under test: NAME or NAME:PARAM=VALUE,... (eldr_balanced's parameters); "
                          f"default: the old default ({OLD_DEFAULT}) and today's")
+    ap.add_argument("--stress-variants", nargs="*", default=None,
+                    help="the variants run under burst and shift (default: today's default only)")
     ap.add_argument("--workloads", default="task,language")
     ap.add_argument("--experiments", default="locality,saturation,burst,shift")
     ap.add_argument("--out-dir", type=Path, default=None, help="default benchmark/results (--quick: .cache/...)")
@@ -294,7 +296,8 @@ def run(task: tuple) -> dict:
 STATE: dict = {}
 
 
-def tasks_of(g: dict, variants: list[str], wls: list[str], exps: list[str], seeds: int) -> list[tuple]:
+def tasks_of(g: dict, variants: list[str], wls: list[str], exps: list[str], seeds: int,
+             stress: list[str]) -> list[tuple]:
     base = SimConfig(num_prefill=g["prefill"], num_decode=g["k"])
     out = []
     for wl in wls:
@@ -316,7 +319,7 @@ def tasks_of(g: dict, variants: list[str], wls: list[str], exps: list[str], seed
                     for rate in g["stress_rates"]:
                         cfg = replace(base, rate=rate, seed=seed, warmup_s=w, measure_s=m,
                                       num_prefill=g["sat_prefill"] if rate > 150 else g["prefill"])
-                        out += [(exp, wl, v, cfg, label) for v in ("jsq", "eldr", *variants)]
+                        out += [(exp, wl, v, cfg, label) for v in ("jsq", "eldr", *stress)]
     return out
 
 
@@ -448,7 +451,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     STATE["args"] = ga
     STATE["data"] = {wl: experiments.load_workload(wl, ga.traces_root, ga.work_dir, experiments.FULL, 600.0, 300.0)
                      for wl in wls}
-    tasks = tasks_of(g, list(args.variants), wls, exps, seeds)
+    stress = list(args.variants[-1:] if args.stress_variants is None else args.stress_variants)
+    tasks = tasks_of(g, list(args.variants), wls, exps, seeds, stress)
     t0 = time.perf_counter()
     runs = experiments.pool_map(run, tasks, 1, "simulate")
     lines, decision = summarise(runs, g, list(args.variants), wls)

@@ -1,5 +1,7 @@
-"""The default policy, eldr_balanced: state-aware cost, a cost band, then the most similar
-region; bounded load as an option. Pure numpy; the simulator runs the same object."""
+"""The default policy, eldr_balanced. Its default pick (bounded load, similarity band, cheapest)
+is tested in test_locality_pick.py; here the older rule it keeps as an option (``sim_band=None``:
+state-aware cost, a cost band, then the most similar region; bounded load optional). Pure numpy;
+the simulator runs the same object."""
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from eldr_sglang.sim.cost_model import PARAM_SETS, step_cost
 
 E = 8
 COST = StepCost(base_s=1.0, per_seq_s=0.1, per_expert_s=0.01, max_batch=64)
+OLD = dict(sim_band=None, load_cap=None)  # the cost-band rule
 
 
 def act(*hot, layers=2):
@@ -48,19 +51,19 @@ def test_is_the_routers_default_and_needs_no_artifact():
 
 
 def test_equal_costs_go_to_the_region_unequal_ones_to_the_cheapest():
-    pol = EldrBalancedPolicy(3, cost=COST, centroids=CENTROIDS, cost_band=0.05)
+    pol = EldrBalancedPolicy(3, cost=COST, centroids=CENTROIDS, cost_band=0.05, **OLD)
     # idle servers cost the same: the request goes to its region, not to server 0
     d = pol.explain(req(4, 5), [0, 0, 0])
     assert d.index == 2 and d.reason == "cost_band" and d.band == (0, 1, 2)
     # its region's server is busier than the band buys: the cheapest wins
     assert pol.choose(req(4, 5), [0, 0, 3]) in (0, 1)
     # with cost_band 0 the region only breaks exact ties
-    strict = EldrBalancedPolicy(3, cost=COST, centroids=CENTROIDS, cost_band=0.0)
+    strict = EldrBalancedPolicy(3, cost=COST, centroids=CENTROIDS, cost_band=0.0, **OLD)
     assert strict.choose(req(4, 5), [0, 0, 0]) == 2 and strict.choose(req(4, 5), [0, 0, 1]) == 0
 
 
 def test_live_batch_locality_beats_similarity_when_it_is_cheaper():
-    pol = EldrBalancedPolicy(2, cost=COST, centroids=CENTROIDS[:2], cost_band=0.01)
+    pol = EldrBalancedPolicy(2, cost=COST, centroids=CENTROIDS[:2], cost_band=0.01, **OLD)
     tokens = [pol.admit(0, req(6, 7)) for _ in range(3)]  # server 0 already runs experts 6, 7
     tokens += [pol.admit(1, req(2, 3)) for _ in range(3)]
     # a request of experts 6, 7 adds no experts to server 0: cheaper there by more than 1%
@@ -89,7 +92,7 @@ def test_a_mix_the_calibration_did_not_expect_does_not_pile_up():
                 loads[s0] -= 1
         return peak, total
 
-    peak, total = serve(EldrBalancedPolicy(3, cost=COST, centroids=CENTROIDS))
+    peak, total = serve(EldrBalancedPolicy(3, cost=COST, centroids=CENTROIDS, **OLD))
     assert peak <= 2 and max(total) / (sum(total) / 3) <= 1.1, (peak, total)
     band_peak, band_total = serve(build_policy("eldr", PolicyContext(3, centroids=CENTROIDS, tau=0.1)))
     assert band_total[0] == 60 and band_peak >= 11  # the paper's band rule piles them up
@@ -97,7 +100,7 @@ def test_a_mix_the_calibration_did_not_expect_does_not_pile_up():
 
 def test_bounded_load_filter():
     pol = EldrBalancedPolicy(3, cost=StepCost(base_s=0.0, per_seq_s=0.0, per_expert_s=0.0),
-                             centroids=CENTROIDS, load_cap=1.25)
+                             centroids=CENTROIDS, load_cap=1.25, load_slack=0.0, sim_band=None)
     # costs all zero: similarity decides, until server 2 reaches ceil(1.25 * (6 + 1) / 3) = 3
     assert pol.choose(req(4, 5), [2, 2, 2]) == 2
     assert pol.choose(req(4, 5), [1, 2, 3]) in (0, 1)
@@ -105,6 +108,10 @@ def test_bounded_load_filter():
         EldrBalancedPolicy(3, load_cap=0.5)
     with pytest.raises(ValueError, match="cost_band"):
         EldrBalancedPolicy(3, cost_band=-0.1)
+    with pytest.raises(ValueError, match="sim_band"):
+        EldrBalancedPolicy(3, sim_band=-0.1)
+    with pytest.raises(ValueError, match="load_slack"):
+        EldrBalancedPolicy(3, load_slack=-1.0)
 
 
 def test_membership_changes_keep_regions_and_live_state():

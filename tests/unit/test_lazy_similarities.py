@@ -18,8 +18,8 @@ COST = StepCost(base_s=1.0, per_seq_s=0.1, per_expert_s=0.01, max_batch=64)
 def test_small_band_picks_like_the_full_matvec_and_fills_the_same_arrays(k):
     rng = np.random.default_rng(k)
     cents = rng.random((k, D)).astype(np.float32)
-    lazy = EldrBalancedPolicy(5, cost=COST, centroids=cents)
-    full = EldrBalancedPolicy(5, cost=COST, centroids=cents)
+    lazy = EldrBalancedPolicy(5, cost=COST, centroids=cents, sim_band=None)  # the cost-band rule
+    full = EldrBalancedPolicy(5, cost=COST, centroids=cents, sim_band=None)
     full.BAND_SCAN_MAX = -1  # always the matvec
     for step in range(200):
         sig = rng.random(D).astype(np.float32)
@@ -40,7 +40,7 @@ def test_small_band_picks_like_the_full_matvec_and_fills_the_same_arrays(k):
 
 def test_the_arrays_are_those_of_the_ownership_at_decision_time():
     cents = np.eye(3, D, dtype=np.float32)
-    pol = EldrBalancedPolicy(3, cost=COST, centroids=cents)
+    pol = EldrBalancedPolicy(3, cost=COST, centroids=cents, sim_band=None)
     dec = pol.explain(RouteRequest(signature=cents[2], activation=np.full(D, 0.1)), [0, 0, 0])
     assert isinstance(dec, LazyDecision) and dec.index == 2 and dec.best_similarity == pytest.approx(1.0)
     pol.remove_server(0)  # read after a membership change: still 3 servers, as decided

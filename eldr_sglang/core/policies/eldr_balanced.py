@@ -1,6 +1,14 @@
 """ELDR balanced: locality only while it is cheaper than imbalance (the router's default).
 
-Filter -> score -> pick:
+Default pick (``sim_band`` set; :mod:`.locality`): bounded load (a server takes the request
+while it holds fewer than ``ceil(load_cap * mean + load_slack)`` in flight), then the
+servers whose region is within ``sim_band`` of the most similar one (the band widens
+linearly to ``sim_band_full`` as the mean in flight nears ``max_batch``), then the cheapest
+by the state-aware cost below. Chosen by ``benchmark/bench_locality.py`` (SIMULATED): it
+keeps ``eldr``'s locality at equal batch size on held-out requests and its max/mean in
+flight stays <= 1.5 under bursts and a shift to an uncalibrated label.
+
+With ``sim_band=None`` (the rule before it), filter -> score -> pick:
 
 1. **filter** (optional bounded load, as in consistent hashing with bounded loads): with
    ``load_cap = c``, a server may take the request only while its in-flight count is
@@ -37,10 +45,14 @@ from eldr_sglang.core.policies.params import check_int, check_number
 from eldr_sglang.core.policies.state_aware import StateAwarePolicy, StepCost
 
 DEFAULT_COST_BAND = 0.02
-DEFAULT_SIM_BAND: Optional[float] = None  # None: the cost band picks; a number: the locality pick (.locality)
-DEFAULT_SIM_BAND_FULL: Optional[float] = None  # the band when the mean in flight reaches max_batch (None: sim_band)
-DEFAULT_LOAD_CAP: Optional[float] = None
-DEFAULT_LOAD_SLACK = 0.0  # requests a server may hold above load_cap x the mean
+# The default pick (.locality; chosen by benchmark/bench_locality.py, SIMULATED): a server takes the
+# request while it holds fewer than ceil(1.25 x mean + 3) in flight; among those, the regions within
+# 0.05 (cosine) of the most similar one, widening to 0.15 as the mean in flight nears a full batch;
+# of those, the cheapest. sim_band None: the older rule (cheapest, then within cost_band the most similar).
+DEFAULT_SIM_BAND: Optional[float] = 0.05
+DEFAULT_SIM_BAND_FULL: Optional[float] = 0.15  # the band once the mean in flight reaches max_batch
+DEFAULT_LOAD_CAP: Optional[float] = 1.25
+DEFAULT_LOAD_SLACK = 3.0  # requests a server may hold above load_cap x the mean
 # StepCost() plus the KV read of a 750-token sequence (600 prompt + half of 300 output tokens)
 # at Qwen3-30B-A3B's 98,304 KV bytes per token on one MI300X (sim.cost_model.step_cost with
 # context_tokens=750; a test keeps them equal)
@@ -165,4 +177,5 @@ register_policy(PolicySpec(
                                         cost_band=prm.cost_band, load_cap=prm.load_cap, sim_band=prm.sim_band,
                                         sim_band_full=prm.sim_band_full, load_slack=prm.load_slack),
     aliases=("balanced",), params=BalancedParams, uses_artifact=True, rebuild_on_reload=True,
-    summary="least decode-time cost; within 2% of it, the most similar calibration region (default)"))
+    summary="bounded load, then the most similar calibration regions (a band that widens with load), "
+            "then the least decode-time cost (default)"))
