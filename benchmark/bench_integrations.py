@@ -15,7 +15,8 @@ Per host router, on this machine, loopback only, everything in its own process:
 
 One client sends requests one at a time (no queueing), interleaved: each round sends the
 same prompt through the host router alone and through pre-router + host router, in a
-random order (and, for SMG, straight to a decode stub: the worker alone). Reported per
+random order (for SMG also straight to a decode stub: the worker alone; for Dynamo also
+straight to the frontend with the two pin headers set by hand). Reported per
 path: p50/p99 of the end-to-end latency; ``added`` = pre-router path minus host path
 (p50 and p99 of each, and the median of the per-round differences); ``decision`` = the
 pre-router's own time from reading the body to forwarding (its status page). The host
@@ -206,13 +207,20 @@ async def run_dynamo(args, tmp: Path, artifact: Path) -> dict:
         bad = non_loopback_listeners([p.pid for p in procs.procs] + d.pids())
         if bad:
             raise RuntimeError(f"listening outside loopback: {bad}")
+        dec, pre = d.instances("backend"), d.instances("prefill")
+        # the same two pin headers sent straight to the frontend: what pinning costs inside Dynamo
         paths = {"dynamo": (d.url + "/v1/completions", {}),
+                 "dynamo, pinned by hand": (d.url + "/v1/completions", {"x-dynamo-worker-instance-id": dec[0],
+                                                                         "x-dynamo-prefill-instance-id": pre[0]}),
                  "eldr pre-router + dynamo": (aurl + "/v1/completions", {})}
         lat = await measure(paths, lambda i: {"model": d.model_name, "prompt": topic_prompt(i % 2, i), "max_tokens": 1},
                             args.requests, args.warmup, args.seed)
         async with aiohttp.ClientSession() as http:
             st = await status_of(http, aurl)
         res = summarise(lat, "eldr pre-router + dynamo", "dynamo", None)
+        ms = {p: 1e3 * np.asarray(v) for p, v in lat.items()}
+        res["pinning_inside_dynamo"] = {"paired_median_ms": round(float(np.median(
+            ms["dynamo, pinned by hand"] - ms["dynamo"])), 3)}
         res["decision"] = st["decision_ms"]
         res["adapter_paths"] = st["counters"]
         res["setup"] = "ai-dynamo 1.6.1 frontend --router-mode kv (file discovery, TCP request plane, ZMQ events " \
@@ -239,6 +247,9 @@ def render(doc: dict) -> str:
                          f"{os.cpu_count()} cores)", "", "", "", "", ""])
         rows.append([host, "**added by the pre-router**", "", a["p50_ms"], a["p99_ms"],
                      a["paired_median_ms"], f'{r["decision"]["p50"]} / {r["decision"]["p99"]}'])
+        if "pinning_inside_dynamo" in r:
+            rows.append([host, "pinning inside dynamo (pinned by hand minus dynamo)", "", "", "",
+                         r["pinning_inside_dynamo"]["paired_median_ms"], ""])
         if "host_own" in r:
             h = r["host_own"]
             rows.append([host, f"{host}'s own (minus worker alone)", "", h["p50_ms"], h["p99_ms"],

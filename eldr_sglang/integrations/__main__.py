@@ -29,6 +29,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--tau", type=float, default=None)
     p.add_argument("--scorer-timeout", type=float, default=0.25, help="seconds (remote scorer)")
     p.add_argument("--refresh", type=float, default=2.0, help="seconds between worker discoveries")
+    p.add_argument("--event-loop", choices=("auto", "uvloop", "asyncio"), default="auto",
+                   help="auto: uvloop when installed (as the ELDR router)")
     d = p.add_argument_group("dynamo")
     d.add_argument("--decode-component", default="backend")
     d.add_argument("--prefill-component", default="prefill")
@@ -77,7 +79,10 @@ async def _main(args: argparse.Namespace) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_main(parse_args(argv)))
+    from eldr_sglang.router.cli import run_loop
+
+    args = parse_args(argv)
+    run_loop(_main(args), args.event_loop)
     return 0
 
 

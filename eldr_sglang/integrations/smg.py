@@ -15,8 +15,8 @@ on its Prometheus port): two probe rounds whose moved workers intersect in one
 worker bind the key to that worker (concurrent traffic only widens a round, it
 cannot bind a key to the wrong worker unless it moves the same worker in both
 rounds alone). Keys are minted until every decode worker has one (SMG assigns at
-random: a few per worker); a key that landed on an already keyed worker is left to
-idle out. A request then carries the key of the worker the ELDR policy picked;
+random: a few per worker; a run that leaves a worker without a key backs off 30 s);
+a key that landed on an already keyed worker is left to idle out. A request then carries the key of the worker the ELDR policy picked;
 a worker without a key yet goes unpinned (SMG's choice). Keys older than
 ``key_ttl_s`` are learned anew (keep it below SMG's ``--max-idle-secs``).
 
@@ -81,6 +81,8 @@ class SmgPreRouter(PreRouter):
         self.key_ttl_s, self.probe_rounds, self.max_keys_per_worker = key_ttl_s, probe_rounds, max_keys_per_worker
         self.keys: dict[str, tuple[str, float]] = {}  # worker URL -> (key, learned at, monotonic)
         self._learner: Optional[asyncio.Task] = None
+        self._learn_after = 0.0  # after a learning run that left workers without a key: back off
+        self.learn_backoff_s = 30.0
 
     # ------------------------------------------------------------------ discovery
     async def discover(self) -> None:
@@ -94,7 +96,7 @@ class SmgPreRouter(PreRouter):
                 del self.keys[w]
         self.set_workers(decodes)
         if self.key_mode == "worker" and any(w not in self.keys for w in decodes) and \
-                (self._learner is None or self._learner.done()):
+                (self._learner is None or self._learner.done()) and now >= self._learn_after:
             self._learner = asyncio.get_running_loop().create_task(self._learn())
 
     def pin_headers(self, choice: Choice) -> Optional[dict[str, str]]:
@@ -119,7 +121,9 @@ class SmgPreRouter(PreRouter):
             missing = [w for w in self.workers if w not in self.keys]
             if not missing or tries >= self.max_keys_per_worker * max(1, len(self.workers)):
                 if missing:
-                    logger.warning("smg: no routing key learned for %s (requests to it go unpinned)", missing)
+                    self._learn_after = time.monotonic() + self.learn_backoff_s
+                    logger.warning("smg: no routing key learned for %s (requests to it go unpinned; "
+                                   "next try in %.0f s)", missing, self.learn_backoff_s)
                 return
             tries += 1
             key = f"eldr-{uuid.uuid4().hex[:12]}"
