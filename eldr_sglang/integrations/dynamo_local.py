@@ -50,9 +50,12 @@ zmq.proxy(xsub, xpub)
 
 
 def dynamo_python() -> Path:
-    """The interpreter of the Dynamo virtualenv (``ELDR_DYNAMO_PYTHON`` or .cache/dynamo-venv)."""
+    """The interpreter of the Dynamo virtualenv: ``ELDR_DYNAMO_PYTHON``, else the venv
+    ``ELDR_DYNAMO_VENV`` (as scripts/install_dynamo.sh), else .cache/dynamo-venv."""
     env = os.environ.get("ELDR_DYNAMO_PYTHON")
-    return Path(env) if env else DEFAULT_VENV / "bin" / "python"
+    if env:
+        return Path(env)
+    return Path(os.environ.get("ELDR_DYNAMO_VENV") or DEFAULT_VENV) / "bin" / "python"
 
 
 def dynamo_importable(python: Optional[Path] = None) -> tuple[bool, str]:
