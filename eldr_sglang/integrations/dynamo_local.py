@@ -19,13 +19,15 @@ Confining every socket to 127.0.0.1 takes these settings (read from the 1.6.1 ru
   publishers connect to it and listen on nothing.
 
 :meth:`LocalDynamo.start` checks every listening socket of every process it started
-(psutil) and stops them all if one is outside 127.0.0.0/8.
+(psutil) and every address advertised in discovery, and stops them all if one is
+outside 127.0.0.0/8.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -189,12 +191,22 @@ class LocalDynamo:
     def pids(self) -> list[int]:
         return [p.popen.pid for p in self.procs.values() if p.popen.poll() is None]
 
+    def advertised_addresses(self) -> set[str]:
+        """Every IPv4 address (host:port) written to file discovery (instances, event sources)."""
+        found: set[str] = set()
+        for path in self.kv_dir.rglob("*"):
+            if path.is_file():
+                found.update(re.findall(r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b", path.read_text(errors="replace")))
+        return found
+
     def check_loopback(self) -> None:
-        """Every listening socket of every process started here is on loopback; else stop all."""
+        """Every listening socket of every process started here is on loopback, and so is every
+        address they advertised in discovery; else stop them all."""
         bad = non_loopback_listeners(self.pids())
-        if bad:
+        adv = sorted(a for a in self.advertised_addresses() if not a.startswith("127."))
+        if bad or adv:
             self.stop()
-            raise RuntimeError(f"dynamo processes listen outside loopback (stopped): {bad}")
+            raise RuntimeError(f"dynamo processes listen or advertise outside loopback (stopped): {bad} {adv}")
 
     def stop_process(self, name: str, sig: int = signal.SIGTERM, wait: float = 15.0) -> None:
         p = self.procs.pop(name)

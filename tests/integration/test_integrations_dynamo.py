@@ -85,6 +85,9 @@ async def test_dynamo_requests_land_on_the_eldr_decision_and_a_stopped_worker_le
     async with adapter(pre) as (aurl, http):
         await until(lambda: len(pre.workers) == 2 and pre.prefills, 30, "decode and prefill instances mapped")
         assert pre.workers == dynamo.instances("backend")  # discovered from the frontend, not typed
+        transports = [i["transport"]["tcp"] for i in dynamo.health()["instances"]]
+        assert transports and all(t.startswith("127.0.0.1:") for t in transports)  # advertised on loopback
+        dynamo.check_loopback()
         landed = {}
         for i in range(10):
             k = i % 2
