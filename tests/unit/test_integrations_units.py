@@ -35,6 +35,15 @@ def test_local_scorer_follows_the_worker_list():
     assert asyncio.run(sc.choose({"prompt": "x"}, "v1/completions", [], {})) is None
 
 
+def test_local_scorer_weighs_the_loads_it_is_given():
+    """eldr_balanced keeps locality while it is cheap and leaves a piled-up worker."""
+    sc = LocalScorer(topic_artifact(), tokenizer())
+    home = choose(sc, 0, ["a", "b"]).worker
+    other = "b" if home == "a" else "a"
+    assert choose(sc, 0, ["a", "b"], {home: 1}).worker == home
+    assert choose(sc, 0, ["a", "b"], {home: 20}).worker == other
+
+
 def test_parse_smg_outcomes():
     text = ('# TYPE smg_worker_cb_outcomes_total counter\n'
             'smg_worker_cb_outcomes_total{worker="http://127.0.0.1:1",outcome="success"} 13\n'
