@@ -150,6 +150,17 @@ async def test_pins_relays_and_proxies():
         assert st["counters"]["pinned"] == 2 and st["decision_ms"]["n"] == 2
 
 
+async def test_concurrent_requests_count_and_release_loads():
+    async with rig(LocalScorer(topic_artifact(), tokenizer())) as (host, pre, url, http):
+        pre.set_workers = lambda ws, _s=pre.set_workers: _s([w for w in ws if w != "dead"])
+        await asyncio.sleep(0.2)
+        results = await asyncio.gather(*[post(http, url, {"text": topic_prompt(i % 2, i), "stream": i % 3 == 0},
+                                              headers={"Content-Type": "application/json"}) for i in range(24)])
+        assert all(status == 200 for status, _, _ in results)
+        assert {h["X-ELDR-Path"] for _, _, h in results} == {"pinned"}
+        assert all(v == 0 for v in pre.inflight.values())
+
+
 async def test_refused_pin_goes_unpinned_and_is_quarantined():
     async with rig(FixedScorer("dead")) as (host, pre, url, http):
         status, raw, h = await post(http, url, {"text": "a"})
