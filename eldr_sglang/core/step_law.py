@@ -99,3 +99,26 @@ def as_step_cost(law: StepLaw, expert_factor: float, samples: Sequence[dict], de
     per_seq = law.per_seq_s + law.per_kv_token_s * (float(np.mean(kv)) if kv else 0.0)
     return StepCost(base_s=law.base_s, per_seq_s=per_seq, per_expert_s=law.trusted_per_expert() * expert_factor,
                     max_batch=default.max_batch)
+
+
+def pooled_laws(per_server: Sequence[Sequence[dict]], tolerance: float = 0.2) -> list[Optional[StepLaw]]:
+    """One law per server: the law fitted on every server's samples together, except for a
+    server whose own law predicts its samples' mean step more than ``tolerance`` (relative)
+    away from the pooled law's prediction (another kind of hardware, a slower node). A
+    per-server fit from a few hundred noisy steps differs from its neighbours' by noise;
+    pricing servers with laws that differ only by noise steers requests for nothing."""
+    pooled = fit_step_law([s for samples in per_server for s in samples])
+    out: list[Optional[StepLaw]] = []
+    for samples in per_server:
+        own = fit_step_law(samples)
+        if own is None or pooled is None:
+            out.append(own or (pooled if samples else None))
+            continue
+        x, _ = _design(samples)
+        if not len(x):
+            out.append(pooled)
+            continue
+        b, u, kv = x[:, 1].mean(), x[:, 2].mean(), x[:, 3].mean()
+        mine, theirs = own.seconds(b, u, kv), pooled.seconds(b, u, kv)
+        out.append(own if abs(mine - theirs) > tolerance * theirs else pooled)
+    return out

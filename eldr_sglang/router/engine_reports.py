@@ -9,8 +9,12 @@ order) the router reads it every ``--load-interval`` and
 * hands each policy that prices live batches (``observe_engine``) the batch's
   ``log(1 - usage)`` on the artifact's layers: the true batch at the report, to which
   the policy adds its own admits and releases since;
-* fits the server's step law (:mod:`eldr_sglang.core.step_law`) from the samples,
-  off the event loop, and hands it to the policy (``set_step_law``) as a
+* fits the servers' step law (:mod:`eldr_sglang.core.step_law`) from the samples,
+  off the event loop, every ``FIT_EVERY_S``: one law on every server's samples
+  together, and a server's own law only where it differs from that one by more than
+  noise (:func:`~eldr_sglang.core.step_law.pooled_laws`; per-server fits that differ
+  by noise alone would steer requests for nothing), handed to the policy
+  (``set_step_law``) as a
   :class:`~eldr_sglang.core.policies.StepCost` on the published layers: the engine's
   ``U`` counts every MoE layer, the policy's the published ones, so the per-expert
   term is scaled by ``layers / published``, and the KV term is folded into the
@@ -33,12 +37,13 @@ import aiohttp
 import numpy as np
 
 from eldr_sglang.core.policies.state_aware import P_MAX
-from eldr_sglang.core.step_law import MIN_SAMPLES, StepLaw, as_step_cost, fit_step_law
+from eldr_sglang.core.step_law import MIN_SAMPLES, StepLaw, as_step_cost, pooled_laws
 
 logger = logging.getLogger("eldr_sglang.router")
 
 SAMPLES_KEPT = 1024  # step samples per server the law is fitted on
 STALE_POLLS = 4  # a server idle this many poll intervals runs no batch
+FIT_EVERY_S = 5.0  # seconds between two fits of the step laws
 
 
 def batch_url(metrics_url: str) -> str:
@@ -75,7 +80,8 @@ class EngineReports:
         decodes = [d.url for d in state.pool.decodes]
         # by decode URL: membership changes keep each server's engine
         self.servers: dict[str, ServerReport] = {u: ServerReport(batch_url(e)) for u, e in zip(decodes, engine_urls)}
-        self._fitting: set[str] = set()
+        self._fitting = False
+        self._last_fit = -FIT_EVERY_S
 
     def policies(self) -> list:
         st = self.state
@@ -85,6 +91,11 @@ class EngineReports:
         """One round: every decode server with an engine URL."""
         decodes = [d.url for d in self.state.pool.decodes]
         await asyncio.gather(*(self._poll(i, u) for i, u in enumerate(decodes) if u in self.servers))
+        loop = asyncio.get_running_loop()
+        if (not self._fitting and loop.time() - self._last_fit >= FIT_EVERY_S
+                and any(len(r.samples) >= MIN_SAMPLES for r in self.servers.values())):
+            self._fitting, self._last_fit = True, loop.time()
+            loop.create_task(self._fit({u: list(r.samples) for u, r in self.servers.items()}))
 
     async def _poll(self, index: int, url: str) -> None:
         rep = self.servers[url]
@@ -114,9 +125,6 @@ class EngineReports:
             idle = float(doc.get("idle_s", 0.0)) > STALE_POLLS * self.interval
             used = np.zeros_like(usage[enc.layers]) if idle else usage[enc.layers]
             self._observe(index, np.log1p(-np.clip(used, 0.0, P_MAX)).reshape(-1))
-        if len(fresh) and len(rep.samples) >= MIN_SAMPLES and url not in self._fitting:
-            self._fitting.add(url)
-            asyncio.get_running_loop().create_task(self._fit(url, rep, list(rep.samples)))
 
     def _observe(self, index: int, log_free: Optional[np.ndarray]) -> None:
         for policy in self.policies():
@@ -127,30 +135,34 @@ class EngineReports:
                 except ValueError as e:  # another width than the policy tracks (layers changed)
                     logger.warning("engine report of decode %d not used: %s", index, e)
 
-    async def _fit(self, url: str, rep: ServerReport, samples: list[dict]) -> None:
+    async def _fit(self, samples: dict[str, list[dict]]) -> None:
+        """Every server's law (:func:`pooled_laws`), off the loop; metrics and policies."""
+        urls = list(samples)
         try:
-            law = await asyncio.to_thread(fit_step_law, samples)
-        except Exception:  # noqa: BLE001 - a failed fit keeps the previous law
-            logger.exception("step law fit for %s failed", url)
+            laws = await asyncio.to_thread(pooled_laws, [samples[u] for u in urls])
+        except Exception:  # noqa: BLE001 - a failed fit keeps the previous laws
+            logger.exception("step law fit failed")
             return
         finally:
-            self._fitting.discard(url)
-        if law is None:
-            return
-        rep.law = law
+            self._fitting = False
         m = self.metrics
-        for term in ("base_s", "per_seq_s", "per_expert_s", "per_kv_token_s"):
-            m.step_law.labels(url, term).set(getattr(law, term))
-        m.step_law_r2.labels(url).set(law.r2)
         decodes = [d.url for d in self.state.pool.decodes]
         enc = self.state.routing.encoder
-        if url not in decodes or enc is None:
-            return
-        index = decodes.index(url)
-        for policy in self.policies():
-            setter = getattr(policy, "set_step_law", None)
-            if setter is not None:
-                setter(index, as_step_cost(law, rep.num_layers / len(enc.layers), samples, policy.cost))
+        for url, law in zip(urls, laws):
+            rep = self.servers[url]
+            if law is None:
+                continue
+            rep.law = law
+            for term in ("base_s", "per_seq_s", "per_expert_s", "per_kv_token_s"):
+                m.step_law.labels(url, term).set(getattr(law, term))
+            m.step_law_r2.labels(url).set(law.r2)
+            if url not in decodes or enc is None or not rep.num_layers:
+                continue
+            index = decodes.index(url)
+            for policy in self.policies():
+                setter = getattr(policy, "set_step_law", None)
+                if setter is not None:
+                    setter(index, as_step_cost(law, rep.num_layers / len(enc.layers), samples[url], policy.cost))
 
     def describe(self) -> dict:
         return {url: rep.describe() for url, rep in self.servers.items()}

@@ -385,11 +385,11 @@ def simulate(workload: SimWorkload, policy: Policy | Sequence[Policy], config: S
 
 
 def fit_laws(replicas: Sequence[Policy], samples: Sequence, expert_factor: float) -> None:
-    """Each server's step law from its samples, handed to every replica that prices with laws."""
-    from eldr_sglang.core.step_law import as_step_cost, fit_step_law
+    """The servers' step law, handed to every replica that prices with laws: each server's
+    own fit where it differs from the pool's (:func:`~eldr_sglang.core.step_law.pooled_laws`)."""
+    from eldr_sglang.core.step_law import as_step_cost, pooled_laws
 
-    for k, buf in enumerate(samples):
-        law = fit_step_law(list(buf))
+    for k, (law, buf) in enumerate(zip(pooled_laws([list(b) for b in samples]), samples)):
         if law is None:
             continue
         for pol in replicas:

@@ -58,3 +58,16 @@ def test_trust_scales_with_r2():
     assert law.trusted_per_expert() == pytest.approx(0.001)
     assert StepLaw(0.01, 0.001, 0.002, 0.0, r2=0.9, samples=100).trusted_per_expert() == 0.002
     assert StepLaw(0.01, 0.001, 0.002, 0.0, r2=-1.0, samples=100).trusted_per_expert() == 0.0
+
+
+def test_pooled_laws_share_one_law_unless_a_server_really_differs():
+    from eldr_sglang.core.step_law import pooled_laws
+
+    same = [samples(n=200, seed=s) for s in range(3)]
+    laws = pooled_laws(same)
+    assert laws[0] is laws[1] is laws[2]  # noise alone: one law for all
+    slow = dict(LAW, base_s=3 * LAW["base_s"], per_expert_s=2 * LAW["per_expert_s"])
+    laws = pooled_laws(same[:2] + [samples(n=200, seed=9, law=slow)])
+    assert laws[0] is laws[1] and laws[2] is not laws[0]
+    assert laws[2].per_expert_s == pytest.approx(slow["per_expert_s"], rel=0.25)
+    assert pooled_laws([samples(n=5), []]) == [None, None]
