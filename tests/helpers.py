@@ -68,6 +68,21 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, what: str =
         time.sleep(step)
 
 
+def processes_marked(variable: str, marker: str) -> set[int]:
+    """Processes whose environment carries ``variable=marker``: the descendants of a process
+    started with it (they inherit it), never processes someone else started meanwhile."""
+    needle = f"{variable}={marker}".encode()
+    out = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if needle in (d / "environ").read_bytes().split(b"\0"):
+                    out.add(int(d.name))
+            except OSError:
+                continue
+    return out
+
+
 def progress(name: str, elapsed: float) -> None:
     if int(elapsed) % 15 == 0:
         sys.stderr.write(f"[fixtures] waiting for {name}: {elapsed:.0f}s\n")

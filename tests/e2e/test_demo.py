@@ -14,27 +14,12 @@ from pathlib import Path
 import pytest
 
 from eldr_sglang.demo import label_entropy
+from tests.helpers import processes_marked
 
 pytestmark = [pytest.mark.sglang, pytest.mark.exclusive]
 ROOT = Path(__file__).resolve().parents[2]
 REQUESTS = 32
 MARKER_VAR = "ELDR_TEST_DEMO_RUN"
-
-
-def processes_marked(marker: str) -> set[int]:
-    """Processes whose environment carries ``marker``: the demo's own descendants (they
-    inherit it), never processes someone else started meanwhile."""
-    needle = f"{MARKER_VAR}={marker}".encode()
-    out = set()
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                env = (d / "environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if needle in env:
-                out.add(int(d.name))
-    return out
 
 
 def test_label_entropy_is_measured_not_assumed():
@@ -53,7 +38,7 @@ def demo_run(tmp_path_factory):
         [sys.executable, "-m", "eldr_sglang.demo", "--decodes", "2", "--requests", str(REQUESTS),
          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=1500,
         env={**os.environ, "PYTHONUNBUFFERED": "1", MARKER_VAR: marker})
-    left = processes_marked(marker)
+    left = processes_marked(MARKER_VAR, marker)
     return done, out, left
 
 

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from eldr_sglang.deploy.presets import load_description
 from eldr_sglang.testing.local_cluster import free_port
-from tests.helpers import run_bench_serving, wait_until
+from tests.helpers import processes_marked, run_bench_serving, wait_until
 
 pytestmark = [pytest.mark.sglang, pytest.mark.exclusive, pytest.mark.timeout(1500)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,16 +31,7 @@ PROMPTS = 24
 
 
 def marked(marker: str) -> set[int]:
-    needle = f"{MARK}={marker}".encode()
-    out = set()
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if needle in (d / "environ").read_bytes().split(b"\0"):
-                    out.add(int(d.name))
-            except OSError:
-                continue
-    return out
+    return processes_marked(MARK, marker)
 
 
 def get(url: str, timeout: float = 10) -> tuple[int, str]:

@@ -19,7 +19,7 @@ import yaml
 from eldr_sglang.deploy.__main__ import main as deploy_main
 from eldr_sglang.deploy.presets import load_description
 from eldr_sglang.testing.local_cluster import free_port
-from tests.helpers import wait_until
+from tests.helpers import processes_marked, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 MARK = "ELDR_TEST_DEPLOY_SCRIPT"
@@ -38,16 +38,7 @@ cd "$FAKE_ROOT" && exec "$REAL_PYTHON" -m http.server "$port" --bind 127.0.0.1
 
 
 def marked(marker: str) -> set[int]:
-    needle = f"{MARK}={marker}".encode()
-    out = set()
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if needle in (d / "environ").read_bytes().split(b"\0"):
-                    out.add(int(d.name))
-            except OSError:
-                continue
-    return out
+    return processes_marked(MARK, marker)
 
 
 @pytest.fixture

@@ -129,33 +129,30 @@ def test_other_sglang_version_is_refused(monkeypatch):
         patches.check_sglang()
 
 
-def test_publish_on_a_server_that_is_not_a_pd_prefill_stops_the_launcher(fixture_model):
+def launch_refused(model, *args: str) -> str:
+    """stderr of a CPU ``sglang.launch_server`` with ``args`` that must stop at start (status 2)."""
     import os
 
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", str(fixture_model),
-                           "--device", "cpu", "--attention-backend", "torch_native",
-                           "--eldr-layers", "1", "--eldr-publish", "tcp://127.0.0.1:9"],
+    proc = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
+                           "--device", "cpu", "--attention-backend", "torch_native", *args],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "--eldr-publish: only a PD prefill server" in proc.stderr
     assert "Traceback" not in proc.stderr
+    return proc.stderr
+
+
+def test_publish_on_a_server_that_is_not_a_pd_prefill_stops_the_launcher(fixture_model):
+    err = launch_refused(fixture_model, "--eldr-layers", "1", "--eldr-publish", "tcp://127.0.0.1:9")
+    assert "--eldr-publish: only a PD prefill server" in err
 
 
 def test_publish_without_late_binding_stops_the_launcher(fixture_model):
     """A prefill server that publishes without prefill_complete would make every request
     wait the router's whole signature timeout: refused at start, naming the flag."""
-    import os
-
-    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", str(fixture_model),
-                           "--device", "cpu", "--attention-backend", "torch_native",
-                           "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mooncake_tcp",
-                           "--eldr-layers", "1", "--eldr-publish", "tcp://127.0.0.1:9"],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "--disaggregation-decode-allocation-policy prefill_complete" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    err = launch_refused(fixture_model, "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend",
+                         "mooncake_tcp", "--eldr-layers", "1", "--eldr-publish", "tcp://127.0.0.1:9")
+    assert "--disaggregation-decode-allocation-policy prefill_complete" in err
 
 
 def test_launch_server_help_lists_the_eldr_flags():
