@@ -197,6 +197,32 @@ def prepare(raw: bytes, endpoint: str, max_batch: int, split: bool = False) -> t
     return "ok", body, n, fragments
 
 
+VIEW_FIELDS = ("text", "input_ids", "prompt", "messages", "stream", "n", "best_of", "model")
+
+
+def routing_view(raw: bytes, endpoint: str) -> tuple:
+    """Parse and check one body for the co-located router, which forwards the raw bytes
+    unchanged: ``("ok", the fields routing reads)`` or ``("error", status, message)``.
+    Only those fields come back from the parser process, so no other field, of any
+    size or shape, costs the event loop an unpickle."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        return "error", 400, f"invalid JSON body: {e}"
+    if not isinstance(body, dict):
+        return "error", 400, "request body must be a JSON object"
+    if too_deep(raw, body):
+        return "error", 400, f"invalid JSON body: nested deeper than {MAX_DEPTH} levels"
+    view = {k: body[k] for k in VIEW_FIELDS if k in body}
+    sp = body.get("sampling_params")
+    keep = ("n", "beam_width")
+    if isinstance(sp, dict):
+        view["sampling_params"] = {k: sp[k] for k in keep if k in sp}
+    elif isinstance(sp, list):
+        view["sampling_params"] = [{k: x[k] for k in keep if k in x} if isinstance(x, dict) else x for x in sp]
+    return "ok", view
+
+
 def place_fragments(body: dict, fragments: dict) -> dict:
     """Put each ``{path: JSON bytes}`` back into ``body`` as an :class:`orjson.Fragment`."""
     for path, value in fragments.items():

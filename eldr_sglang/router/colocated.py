@@ -40,7 +40,7 @@ from eldr_sglang.core.policies import PolicyContext, build_policy, least_loaded
 from eldr_sglang.prompts import Tokenizer, default_tokenizer_path, load_tokenizer
 from eldr_sglang.router import sampling, upstream
 from eldr_sglang.router.admin import AdminGate
-from eldr_sglang.router.bodies import BodyError, read_body
+from eldr_sglang.router.bodies import BodyError, BodyParser, read_body, routing_view
 from eldr_sglang.router.client_guard import ClientGuards
 from eldr_sglang.router.clients import REQUEST_ID_KEY, RequestIds, with_client_conventions, as_openai_error, bearer_matches, unauthorized
 from eldr_sglang.router.config import WORKER_KEEPALIVE_S, RouterConfig
@@ -103,6 +103,7 @@ class ColocatedRouter:
                                    body_timeout=c.client_body_timeout or None)
         self.api_key = c.api_key or os.environ.get("ELDR_API_KEY") or None
         self.worker_api_key = c.worker_api_key or os.environ.get("ELDR_WORKER_API_KEY") or None
+        self.parser = BodyParser()
         self.upstream = upstream.UpstreamClient(c.request_timeout, c.connect_timeout, WORKER_KEEPALIVE_S,
                                                 first_byte_timeout=c.first_byte_timeout,
                                                 idle_timeout=c.idle_timeout,
@@ -162,12 +163,11 @@ class ColocatedRouter:
         return error_response(status, message)
 
     async def _handle(self, request: web.Request, endpoint: str, t0: float, raw: bytes) -> web.StreamResponse:
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as e:
-            return self._bad(f"invalid JSON body: {e}")
-        if not isinstance(body, dict):
-            return self._bad("request body must be a JSON object")
+        # parsed in the parser process when big; only the fields routing reads come back
+        out = await self.parser.run(routing_view, raw, endpoint)
+        if out[0] == "error":
+            return self._bad(out[2], out[1])
+        body = out[1]
         refused = sampling.refusal(body, endpoint, pd=False)  # n > 1 passes; best_of > n does not
         if refused:
             return self._bad(refused)
@@ -375,6 +375,7 @@ class ColocatedRouter:
         if self.session is not None:
             await self.session.close()
         self.upstream.close()
+        self.parser.close()
 
     async def drain(self, timeout: float) -> bool:
         self.draining = True

@@ -361,6 +361,33 @@ async def test_no_big_body_stalls_the_event_loop(shape):
             s.close()
 
 
+@pytest.mark.parametrize("shape", ["junk_lists", "sampling_ints"])
+async def test_no_big_body_stalls_the_colocated_router(shape):
+    """The co-located router forwards the raw bytes: a big body is parsed in the parser
+    process and only the fields routing reads come back."""
+    from eldr_sglang.router.app import start_router
+    from eldr_sglang.router.colocated import ColocatedRouter
+
+    server, url = await sink_worker()
+    router = ColocatedRouter([url], health_interval=0, load_interval=0, policy="round_robin")
+    runner, port = await start_router(router)
+    try:
+        import aiohttp
+        async with aiohttp.ClientSession() as http:
+            st, raw = await post(http, f"http://127.0.0.1:{port}/generate",
+                                 b'{"input_ids": [1, 2, 3]}' + b" " * (300 << 10))
+            assert st == 200, raw  # the parser process started
+            body = BIG_BODIES[shape]().replace(b'"text": "topic:1"', b'"input_ids": [1, 2, 3]')
+            with LoopWatch() as watch:
+                st, raw = await post(http, f"http://127.0.0.1:{port}/generate", body)
+        print(f"colocated {shape}: worst loop stall {watch.worst:.3f} s")
+        assert watch.worst < 0.5, f"the event loop stalled {watch.worst:.3f} s"
+        assert st == 200, raw
+    finally:
+        await runner.cleanup()
+        server.close()
+
+
 async def test_signature_lines_of_any_shape_do_not_stall_the_event_loop():
     async with cluster(n_decode=2, signature_port=0) as (router, url, prefill, decodes, http):
         ragged = (b'{"bootstrap_room": 1, "layers": [0, 1], "counts": [['
