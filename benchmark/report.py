@@ -501,15 +501,20 @@ def render(args, sweep, runs, info, microbenches, plot_files, command) -> str:
         doc = json.loads(default_json.read_text())
         doc["decision"] = bench_default_policy.decide(doc["runs"], doc["grid"], doc["grid"]["workloads"])
         w("## The router's default policy: eldr_balanced (simulated)\n")
-        w("`eldr_balanced` (`eldr_sglang/core/policies/eldr_balanced.py`) prices each decode server's live batch "
-          "with the step-time law (state-aware cost), and among the servers within 2% of the cheapest takes the one "
-          "whose calibration region is most similar to the request. Judged against the balancers, ELDR's band rule, "
+        w("`eldr_balanced` (`eldr_sglang/core/policies/eldr_balanced.py`) as it was until the locality pick below "
+          "became its default (`--policy-param sim_band=none --policy-param load_cap=none`): it prices each decode "
+          "server's live batch with the step-time law (state-aware cost), and among the servers within 2% of the "
+          "cheapest takes the one whose calibration region is most similar to the request. Judged against the "
+          "balancers, ELDR's band rule, "
           "Domain and the oracle grouping by a fixed decision rule; every check and table in "
           "[results/default_policy.md](results/default_policy.md) "
           f"(`{doc['command']}`; 8/16/24 decode servers, 5 seeds, both workloads):\n")
         for line in bench_default_policy.headline_lines(doc):
             w(line)
         w("")
+    locality_md = args.out_dir / "results" / "locality.md"
+    if locality_md.is_file():  # benchmark/bench_locality.py: the default's locality pick against the rule above
+        w(locality_md.read_text())
 
     w("## TPOT vs load (simulated)\n")
     for wl in wls:

@@ -33,6 +33,7 @@ QUICK = {
     "bench_fat_expert.py": [],
     "bench_fat_expert_sim.py": [],
     "bench_late_binding.py": [],
+    "bench_locality.py": ["--workloads", "task"],
     "bench_long_decodes.py": [],
     "bench_online_refit.py": [],
     "bench_placement.py": [],
