@@ -61,9 +61,10 @@ BALANCED_COST = StepCost(per_seq_s=3.5948e-05)
 
 @dataclass(frozen=True)
 class BalancedParams:
-    """``eldr_balanced``'s parameters: the cost band (relative), the bounded-load factor
-    (None: no cap) and the step-time law (:class:`StepCost`'s fields; default
-    :data:`BALANCED_COST`)."""
+    """``eldr_balanced``'s parameters: the bounded-load factor (None: no cap) and its slack in
+    requests; the similarity band (None: the cost-band rule, ``cost_band`` relative) and the
+    band at a full batch (None: constant); the step-time law (:class:`StepCost`'s fields;
+    default :data:`BALANCED_COST`)."""
 
     cost_band: float = DEFAULT_COST_BAND
     load_cap: Optional[float] = DEFAULT_LOAD_CAP
