@@ -34,7 +34,7 @@ async def test_a_signature_of_other_layers_is_one_fallback_per_decision(policy):
 async def test_a_policy_fallback_is_counted_with_its_reason():
     async with cluster(n_decode=2, policy="eldr_balanced", artifact=ToyArtifact(num_clusters=2)) as (
             router, url, prefill, decodes, http):
-        router.routing.policy._costs = lambda request, loads: [float("nan")] * len(loads)
+        router.routing.policy._costs = lambda request, loads, rows=None: [float("nan")] * len(loads)
         for i in range(3):
             st, raw = await post(http, f"{url}/generate", {"text": f"topic:{i % 2} {i}"})
             assert st == 200, raw

@@ -110,14 +110,14 @@ def test_a_degenerate_state_is_a_counted_fallback_never_an_exception():
     cents = np.eye(3, D)
     pol = EldrBalancedPolicy(3, cost=COST, centroids=cents, sim_band=None, load_cap=None)  # the cost-band rule
     req = RouteRequest(signature=cents[1], activation=np.full(D, 0.5))
-    pol._costs = lambda request, loads: [-9.6, -9.0, 1.0]  # the drifted server
+    pol._costs = lambda request, loads, rows=None: [-9.6, -9.0, 1.0]  # the drifted server
     dec = pol.explain(req, [262, 133, 133])
     assert dec.index in (0, 1) and dec.band and 0 in dec.band
     default = EldrBalancedPolicy(3, cost=COST, centroids=cents)  # bounded load keeps the pile-up out
     default._costs = pol._costs
     dec = default.explain(req, [262, 133, 133])
     assert dec.index == 1 and dec.band and 0 not in dec.band
-    pol._costs = lambda request, loads: [math.nan, 1.0, math.inf]
+    pol._costs = lambda request, loads, rows=None: [math.nan, 1.0, math.inf]
     dec = pol.explain(req, [3, 1, 2])
     assert dec.index == 1 and dec.fallback == "degenerate_cost"
     assert pol.describe()["fallbacks"] == {"degenerate_cost": 1}

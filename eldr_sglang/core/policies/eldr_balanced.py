@@ -40,7 +40,7 @@ import numpy as np
 
 from eldr_sglang.core.policies.base import Decision, LazyDecision, PolicySpec, _candidates, register_policy
 from eldr_sglang.core.policies.eldr import CentroidOwnership
-from eldr_sglang.core.policies.locality import band_width, bounded, locality_pick
+from eldr_sglang.core.policies.locality import band_width, bounded, locality_pick, region_band
 from eldr_sglang.core.policies.params import check_int, check_number
 from eldr_sglang.core.policies.state_aware import StateAwarePolicy, StepCost
 
@@ -134,6 +134,9 @@ class EldrBalancedPolicy(StateAwarePolicy):
         if n != len(self.servers):
             raise ValueError(f"{n} loads for {len(self.servers)} servers")
         cand = self._capped(_candidates(n, allowed).tolist(), loads)
+        if (self.sim_band is not None and self.ownership is not None and request.signature is not None
+                and request.activation is not None):
+            return self._band_first(request, loads, cand)
         costs = self._costs(request, loads)
         if not math.isfinite(sum(costs)):  # never from this state; never an exception either
             return self._fallback("degenerate_cost", loads, cand)
@@ -163,6 +166,23 @@ class EldrBalancedPolicy(StateAwarePolicy):
             return Decision(idx, self.name, "region_band", tuple(band), sims[idx], server_sims, csims)
         idx = max(band, key=lambda i: (sims[i], -costs[i]))
         return Decision(idx, self.name, "cost_band", tuple(band), sims[idx], server_sims, csims)
+
+    def _band_first(self, request, loads, cand: list[int]) -> Decision:
+        """The locality pick pricing only the band (bounded load and the similarity band
+        need no cost): the same pick as pricing every server, one short matvec."""
+        sig = np.asarray(request.signature, dtype=np.float32).reshape(-1)
+        if sig.shape[0] != self.centroids.shape[1]:
+            raise ValueError(f"signature has {sig.shape[0]} dims, centroids have {self.centroids.shape[1]}")
+        csims = self.centroids @ sig
+        server_sims = self.ownership.gather(csims)
+        sims = server_sims.tolist()
+        width = band_width(self.sim_band, self.sim_band_full, loads, cand, self.cost.max_batch)
+        band = region_band(cand, sims, width)
+        costs = self._costs(request, loads, band)
+        if not math.isfinite(sum(costs[i] for i in band)):  # never from this state
+            return self._fallback("degenerate_cost", loads, cand)
+        idx = min(band, key=lambda i: (costs[i], -sims[i], i))
+        return Decision(idx, self.name, "region_band", tuple(band), sims[idx], server_sims, csims)
 
     def describe(self) -> dict:
         out = super().describe()

@@ -305,10 +305,13 @@ class StateAwarePolicy(Policy):
             du = np.dot(self.free, p).tolist()
         return du
 
-    def _costs(self, request, loads) -> list[float]:
-        """Per-server score as Python floats (a loop over N beats ~15 small numpy calls)."""
-        c = self.cost
+    def _costs(self, request, loads, rows: Optional[list[int]] = None) -> list[float]:
+        """Per-server score as Python floats (a loop over N beats ~15 small numpy calls);
+        ``rows``: score only these servers (the others come back as +inf), one short
+        matvec instead of the [N, D] one."""
         n = len(loads)
+        if rows is None or len(rows) >= n:
+            rows = None
         if request.activation is None or self.log_free is None:
             du = [0.0] * n
             u = [0.0] * n if self.log_free is None else self._unique_list()
@@ -316,24 +319,34 @@ class StateAwarePolicy(Policy):
             p = self._vector(request.activation)
             self._ensure(p.size)
             self._refresh()
-            du = self._added_experts(p)
             u = self.unique.tolist()
-        base, ps, pe, mb = c.base_s, c.per_seq_s, c.per_expert_s, c.max_batch
-        out = []
-        laws = self.laws
-        for k, (b, ui, dui) in enumerate(zip(loads, u, du)):
-            law = laws[k]
-            if law is not None:
-                base, ps, pe, mb = law.base_s, law.per_seq_s, law.per_expert_s, law.max_batch
-            elif k and laws[k - 1] is not None:
-                base, ps, pe, mb = c.base_s, c.per_seq_s, c.per_expert_s, c.max_batch
-            # (b + 1) t1 - b t0 with t0 = base + ps b + pe u, t1 = t0 + ps + pe du
-            t0 = base + ps * b + pe * ui
-            score = t0 + (b + 1) * (ps + pe * dui)
-            if b >= mb:  # a full batch: the request waits about (b - max_batch + 1) steps
-                score += (b - mb + 1) * (t0 + ps + pe * dui)
-            out.append(score)
+            if rows is not None:
+                du = [0.0] * n
+                part = np.dot(self.free[rows], p).tolist()
+                if not math.isfinite(sum(part)):
+                    part = np.dot(self.free[rows], np.nan_to_num(p, nan=0.0, posinf=1.0, neginf=0.0)).tolist()
+                for i, d in zip(rows, part):
+                    du[i] = d
+            else:
+                du = self._added_experts(p)
+        if rows is None:
+            return [self._score(k, loads[k], u[k], du[k]) for k in range(n)]
+        out = [math.inf] * n
+        for k in rows:
+            out[k] = self._score(k, loads[k], u[k], du[k])
         return out
+
+    def _score(self, k: int, b: int, ui: float, dui: float) -> float:
+        """Server ``k``'s increase of total token time: ``(b + 1) t1 - b t0`` with ``t0 = base
+        + ps b + pe u``, ``t1 = t0 + ps + pe du``, plus the wait of a full batch (about
+        ``b - max_batch + 1`` steps); its fitted law if it has one, else the policy's."""
+        c = self.laws[k] or self.cost
+        ps, pe = c.per_seq_s, c.per_expert_s
+        t0 = c.base_s + ps * b + pe * ui
+        score = t0 + (b + 1) * (ps + pe * dui)
+        if b >= c.max_batch:
+            score += (b - c.max_batch + 1) * (t0 + ps + pe * dui)
+        return score
 
     def _unique_list(self) -> list[float]:
         self._refresh()
