@@ -160,11 +160,9 @@ def _split(obj: dict, spec: dict, path: tuple, out: dict, max_batch: int) -> Non
                 del obj[key]
 
 
-def prepare(raw: bytes, endpoint: str, max_batch: int, split: bool = False) -> tuple:
-    """Parse and validate one client body: ``("ok", body, batch size, fragments)`` or
-    ``("error", status, message)``. ``split``: the bulky fields, and any other big
-    value, leave ``body`` as JSON bytes in ``fragments`` ({path: bytes}; the parser
-    process's answer stays small to unpickle)."""
+def parse_object(raw: bytes) -> tuple:
+    """``("ok", body)`` for a JSON object orjson can also write back, else
+    ``("error", 400, message)``."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
@@ -173,6 +171,18 @@ def prepare(raw: bytes, endpoint: str, max_batch: int, split: bool = False) -> t
         return "error", 400, "request body must be a JSON object"
     if too_deep(raw, body):
         return "error", 400, f"invalid JSON body: nested deeper than {MAX_DEPTH} levels"
+    return "ok", body
+
+
+def prepare(raw: bytes, endpoint: str, max_batch: int, split: bool = False) -> tuple:
+    """Parse and validate one client body: ``("ok", body, batch size, fragments)`` or
+    ``("error", status, message)``. ``split``: the bulky fields, and any other big
+    value, leave ``body`` as JSON bytes in ``fragments`` ({path: bytes}; the parser
+    process's answer stays small to unpickle)."""
+    parsed = parse_object(raw)
+    if parsed[0] == "error":
+        return parsed
+    body = parsed[1]
     try:
         if endpoint == "generate":
             n = batch_size(body, max_batch)
@@ -205,14 +215,10 @@ def routing_view(raw: bytes, endpoint: str) -> tuple:
     unchanged: ``("ok", the fields routing reads)`` or ``("error", status, message)``.
     Only those fields come back from the parser process, so no other field, of any
     size or shape, costs the event loop an unpickle."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        return "error", 400, f"invalid JSON body: {e}"
-    if not isinstance(body, dict):
-        return "error", 400, "request body must be a JSON object"
-    if too_deep(raw, body):
-        return "error", 400, f"invalid JSON body: nested deeper than {MAX_DEPTH} levels"
+    parsed = parse_object(raw)
+    if parsed[0] == "error":
+        return parsed
+    body = parsed[1]
     view = {k: body[k] for k in VIEW_FIELDS if k in body}
     sp = body.get("sampling_params")
     keep = ("n", "beam_width")
