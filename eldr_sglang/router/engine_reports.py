@@ -116,10 +116,11 @@ class EngineReports:
     def _take(self, index: int, url: str, rep: ServerReport, doc: dict) -> None:
         usage = np.asarray(doc["usage"], dtype=np.float64)
         rep.num_layers = usage.shape[0]
-        new = max(0, int(doc.get("steps", 0)) - rep.steps)
+        steps = int(doc.get("steps", 0))
+        new = steps - rep.steps if steps >= rep.steps else steps  # fewer: the engine restarted
         fresh = doc.get("samples", [])[-new:] if new else []
         rep.samples.extend(fresh)
-        rep.steps, rep.batch_size = int(doc.get("steps", 0)), int(doc.get("batch_size", 0))
+        rep.steps, rep.batch_size = steps, int(doc.get("batch_size", 0))
         enc = self.state.routing.encoder
         if enc is not None and max(enc.layers) < usage.shape[0]:
             idle = float(doc.get("idle_s", 0.0)) > STALE_POLLS * self.interval

@@ -21,6 +21,7 @@ class StubEngine:
 
     def __init__(self, usage: np.ndarray, seed: int) -> None:
         self.usage, self.rng, self.steps, self.up = usage, np.random.default_rng(seed), 0, True
+        self.made = 0  # samples made over the engine's life (a restart does not reset it)
         self.runner = None
 
     def samples(self, n: int) -> list[dict]:
@@ -29,7 +30,8 @@ class StubEngine:
             b = int(self.rng.integers(1, 17))
             u = float(min(b * self.rng.uniform(8, 20), 300))
             t = (LAW[0] + LAW[1] * b + LAW[2] * u) * (1 + 0.02 * self.rng.standard_normal())
-            out.append({"batch_size": b, "unique_experts": u, "kv_tokens": 100 * b, "seconds": t})
+            self.made += 1
+            out.append({"batch_size": b, "unique_experts": u, "kv_tokens": 100 * b, "seconds": t, "n": self.made})
         return out
 
     async def handle(self, request: web.Request) -> web.Response:
@@ -72,6 +74,10 @@ async def test_engine_reports_feed_the_price_and_the_step_law():
             assert "eldr_router_step_law_r2{server=" in text and 'term="per_expert_s"' in text
             status = router.status()["engine_reports"]
             assert set(status) == {d.url for d in router.pool.decodes}
+            url0 = router.pool.decodes[0].url
+            made = engines[0].made
+            engines[0].steps = 0  # the engine restarted: its step count starts again
+            await until(lambda: reports[url0].samples[-1]["n"] > made, what="samples after a restart")
             engines[0].up = False  # an engine that stops answering: its report is dropped
             await until(lambda: 0 not in policy._reported, what="report dropped")
             assert policy.expected_unique()[0] == 0.0
