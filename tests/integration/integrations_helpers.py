@@ -1,8 +1,14 @@
 """Shared by the integration tests of eldr_sglang.integrations: the two-topic artifact
-(:mod:`eldr_sglang.testing.topic_words`), a failing scorer, the loopback check."""
+(:mod:`eldr_sglang.testing.topic_words`), a failing scorer, the loopback check, a
+pre-router served on loopback with a client session."""
 
 from __future__ import annotations
 
+import contextlib
+
+import aiohttp
+
+from eldr_sglang.integrations import serve
 from eldr_sglang.integrations.dynamo_local import non_loopback_listeners  # noqa: F401 (tests import it here)
 from eldr_sglang.testing.topic_words import TOPIC_WORDS, tokenizer, topic_artifact, topic_prompt  # noqa: F401
 
@@ -19,3 +25,15 @@ class FailingScorer:
     def release(self, choice):
         pass
 
+
+
+@contextlib.asynccontextmanager
+async def adapter(pre):
+    """``pre`` served on 127.0.0.1: yields (its URL, a client session)."""
+    runner, port = await serve(pre, "127.0.0.1", 0)
+    http = aiohttp.ClientSession()
+    try:
+        yield f"http://127.0.0.1:{port}", http
+    finally:
+        await http.close()
+        await runner.cleanup()

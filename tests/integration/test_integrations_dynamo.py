@@ -11,18 +11,16 @@ cannot be installed or imported; ELDR_SKIP_DYNAMO=1 skips without trying)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 
-import aiohttp
 import orjson
 import pytest
 
-from eldr_sglang.integrations import DynamoPreRouter, LocalScorer, RemoteScorer, serve
+from eldr_sglang.integrations import DynamoPreRouter, LocalScorer, RemoteScorer
 from eldr_sglang.integrations.dynamo_local import ROOT, LocalDynamo, dynamo_importable, free_port
 from tests.helpers import LOG_DIR, until
-from tests.integration.integrations_helpers import FailingScorer, tokenizer, topic_artifact, topic_prompt
+from tests.integration.integrations_helpers import FailingScorer, adapter, tokenizer, topic_artifact, topic_prompt
 
 pytestmark = pytest.mark.slow
 
@@ -52,17 +50,6 @@ def dynamo(dynamo_ready):
         yield d
     finally:
         d.stop()
-
-
-@contextlib.asynccontextmanager
-async def adapter(pre):
-    runner, port = await serve(pre, "127.0.0.1", 0)
-    http = aiohttp.ClientSession()
-    try:
-        yield f"http://127.0.0.1:{port}", http
-    finally:
-        await http.close()
-        await runner.cleanup()
 
 
 async def send(http, url, model, k: int, seed: int, rid: str, stream: bool = False):

@@ -13,13 +13,13 @@ import aiohttp
 import orjson
 import pytest
 
-from eldr_sglang.integrations import LocalScorer, RemoteScorer, SmgPreRouter, serve
+from eldr_sglang.integrations import LocalScorer, RemoteScorer, SmgPreRouter
 from eldr_sglang.router.app import start_router
 from eldr_sglang.router.colocated import ColocatedRouter
 from eldr_sglang.testing.local_cluster import free_port, sglang_router_argv
 from eldr_sglang.testing.stub_worker import StubWorker
 from tests.helpers import LOG_DIR, until
-from tests.integration.integrations_helpers import (FailingScorer, non_loopback_listeners, tokenizer,
+from tests.integration.integrations_helpers import (FailingScorer, adapter, non_loopback_listeners, tokenizer,
                                                     topic_artifact, topic_prompt)
 
 pytest.importorskip("sglang_router", reason="sglang-router (SMG) is not installed")
@@ -67,17 +67,6 @@ async def smg_cluster(n_decode: int = 2):
         log.close()
         for w in [prefill, *decodes]:
             await w.stop()
-
-
-@contextlib.asynccontextmanager
-async def adapter(pre):
-    runner, port = await serve(pre, "127.0.0.1", 0)
-    http = aiohttp.ClientSession()
-    try:
-        yield f"http://127.0.0.1:{port}", http
-    finally:
-        await http.close()
-        await runner.cleanup()
 
 
 async def send(http, url, k: int, seed: int, rid: str, stream: bool = False):

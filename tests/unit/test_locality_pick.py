@@ -12,19 +12,10 @@ from eldr_sglang.core.policies.eldr_balanced import (DEFAULT_LOAD_CAP, DEFAULT_L
 from eldr_sglang.core.policies.locality import bounded, locality_pick, region_band
 from eldr_sglang.core.policies.state_aware import StepCost
 
-E = 8  # experts per layer, 2 layers
+from tests.unit.test_eldr_balanced import E, act, sig  # 8 experts per layer, 2 layers
 COST = StepCost(base_s=1.0, per_seq_s=0.1, per_expert_s=0.01, max_batch=64)
 
 
-def act(*hot, layers=2):
-    row = np.zeros(E)
-    row[list(hot)] = 1.0
-    return np.tile(row, layers)
-
-
-def sig(*hot):
-    v = act(*hot)
-    return v / np.linalg.norm(v)
 
 
 # four calibrated kinds, one region (server) each
