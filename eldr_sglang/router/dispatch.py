@@ -408,8 +408,7 @@ class Dispatcher:
             child.inc()
         if dec.band is not None:
             self._band.observe(len(dec.band))
-            if dec.best_similarity is not None:  # cost-only decisions have none
-                self._best.observe(dec.best_similarity)
+            self._best.observe(dec.best_similarity)  # None (cost-only decisions) is skipped
         level = self.decision_level
         if decision_logger.isEnabledFor(level):
             decision_logger.log(

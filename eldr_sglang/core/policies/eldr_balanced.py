@@ -40,7 +40,7 @@ import numpy as np
 
 from eldr_sglang.core.policies.base import Decision, LazyDecision, PolicySpec, _candidates, register_policy
 from eldr_sglang.core.policies.eldr import CentroidOwnership
-from eldr_sglang.core.policies.locality import band_width, bounded, locality_pick, region_band
+from eldr_sglang.core.policies.locality import band_width, bounded, region_band
 from eldr_sglang.core.policies.params import check_int, check_number
 from eldr_sglang.core.policies.state_aware import StateAwarePolicy, StepCost
 
@@ -134,8 +134,7 @@ class EldrBalancedPolicy(StateAwarePolicy):
         if n != len(self.servers):
             raise ValueError(f"{n} loads for {len(self.servers)} servers")
         cand = self._capped(_candidates(n, allowed).tolist(), loads)
-        if (self.sim_band is not None and self.ownership is not None and request.signature is not None
-                and request.activation is not None):
+        if self.sim_band is not None and self.ownership is not None and request.signature is not None:
             return self._band_first(request, loads, cand)
         costs = self._costs(request, loads)
         if not math.isfinite(sum(costs)):  # never from this state; never an exception either
@@ -147,23 +146,19 @@ class EldrBalancedPolicy(StateAwarePolicy):
         sig = np.asarray(request.signature, dtype=np.float32).reshape(-1)
         if sig.shape[0] != self.centroids.shape[1]:
             raise ValueError(f"signature has {sig.shape[0]} dims, centroids have {self.centroids.shape[1]}")
-        if self.sim_band is None:
-            best = costs[cheapest]
-            limit = best + abs(best) * self.cost_band  # holds the cheapest whatever its sign
-            band = [i for i in cand if costs[i] <= limit]
-            if len(band) <= self.BAND_SCAN_MAX:  # the band's similarities only; the rest when read
-                own = self.ownership
-                sims = {i: own.similarity_of(i, sig) for i in band}
-                idx = max(band, key=lambda i: (sims[i], -costs[i]))
-                return LazyDecision(idx, self.name, "cost_band", tuple(band), sims[idx],
-                                    own.similarities_later(sig))
-        csims = self.centroids @ sig
+        # the cost-band rule (sim_band None; the locality pick returned above)
+        best = costs[cheapest]
+        limit = best + abs(best) * self.cost_band  # holds the cheapest whatever its sign
+        band = [i for i in cand if costs[i] <= limit]
+        if len(band) <= self.BAND_SCAN_MAX:  # the band's similarities only; the rest when read
+            own = self.ownership
+            sims = {i: own.similarity_of(i, sig) for i in band}
+            idx = max(band, key=lambda i: (sims[i], -costs[i]))
+            return LazyDecision(idx, self.name, "cost_band", tuple(band), sims[idx],
+                                own.similarities_later(sig))
+        csims = self.centroids @ sig  # the cost band holds more servers than are worth scanning
         server_sims = self.ownership.gather(csims)
         sims = server_sims.tolist()
-        if self.sim_band is not None:  # bounded load (already applied), similarity band, cheapest
-            width = band_width(self.sim_band, self.sim_band_full, loads, cand, self.cost.max_batch)
-            idx, band = locality_pick(cand, loads, costs, sims, None, width)
-            return Decision(idx, self.name, "region_band", tuple(band), sims[idx], server_sims, csims)
         idx = max(band, key=lambda i: (sims[i], -costs[i]))
         return Decision(idx, self.name, "cost_band", tuple(band), sims[idx], server_sims, csims)
 
