@@ -440,6 +440,34 @@ def check_python(cmd: Command) -> None:
         _assert_flags(cmd, used_flags(args), accepted, script)
 
 
+def _generator_of(cmd: Command, script: str) -> Command | None:
+    """An earlier ``python -m eldr_sglang...`` command of the same doc that writes
+    ``--out DIR`` where ``script`` lies (a generated, git-ignored file); the nearest."""
+    for earlier in reversed(ALL_COMMANDS):
+        if earlier.file != cmd.file or earlier.line >= cmd.line or earlier.argv[1:2] != ("-m",):
+            continue
+        args = list(earlier.argv)
+        if not args[2].startswith("eldr_sglang") or "--out" not in args[:-1]:
+            continue
+        out = args[args.index("--out") + 1].rstrip("/") + "/"
+        if script.startswith(out):
+            return earlier
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def generated_files(gen: Command) -> frozenset[str]:
+    """What the generator command writes, run into a temporary --out directory."""
+    import tempfile
+    args = list(gen.argv)
+    out_at = args.index("--out") + 1
+    with tempfile.TemporaryDirectory() as tmp:
+        args[out_at] = tmp
+        done = _run([sys.executable, *args[1:]])
+        assert done.returncode == 0, f"{gen.id}: {gen.text}\n{done.stderr[-2000:]}"
+        return frozenset(str(p.relative_to(tmp)) for p in Path(tmp).rglob("*") if p.is_file())
+
+
 def check_script(cmd: Command) -> None:
     argv = list(cmd.argv)
     if argv[0] in ("bash", "sh"):
@@ -449,6 +477,11 @@ def check_script(cmd: Command) -> None:
         script = rest[0]
     else:
         script = argv[0]
+    gen = _generator_of(cmd, script)
+    if gen is not None:  # written by an earlier command of the doc: run it and look
+        out = list(gen.argv)[list(gen.argv).index("--out") + 1].rstrip("/") + "/"
+        assert script[len(out):] in generated_files(gen), f"{cmd.id}: {gen.id} writes no {script}"
+        return
     assert (ROOT / script).is_file(), f"{cmd.id}: no file {script}"
 
 
