@@ -70,10 +70,7 @@ class Dispatcher:
 
     def __init__(self, parts: DispatchParts) -> None:
         self.p = parts
-        self.relay = Relay(parts)
-        self.active = 0  # client requests being served
-        self.idle = asyncio.Event()
-        self.idle.set()
+        self.relay = Relay(parts.config, parts.metrics, parts.pool, parts.runtime)
         c, m = parts.config, parts.metrics  # request-path histograms: observed in batches (Deferred)
         self.body_limit = int(c.max_body_mb * (1 << 20))
         self.decision_level = logging.INFO if c.log_decisions else logging.DEBUG
@@ -97,10 +94,7 @@ class Dispatcher:
             status = resp.status
             return resp
         finally:
-            self.active -= 1
-            if self.active == 0:
-                self.idle.set()
-            p.metrics.client_requests.set(self.active)
+            p.admission.leave()
             elapsed = time.perf_counter() - fl.t0
             p.metrics.deferred(p.metrics.request_duration, endpoint).observe(elapsed)
             if p.on_done is not None:
@@ -175,28 +169,12 @@ class Dispatcher:
             rids = set_rid(body, n)
         except BodyError as e:
             return self._bad(str(e), e.status)
-        refusal = self.refusal()
+        refusal = p.admission.refusal()
         if refusal is not None:
             return refusal
-        self.active += 1
-        self.idle.clear()
-        p.metrics.client_requests.set(self.active)
+        p.admission.enter()
         # the A/B arm is the policy a request arrived under
         return Flight(endpoint, t0, body, n, rids, p.state.routing)
-
-    def refusal(self) -> Optional[web.Response]:
-        """503 while draining, 429 at the in-flight limit; None: admitted."""
-        p = self.p
-        if p.runtime.draining:
-            p.metrics.event("refused_draining")
-            return error_response(503, "router is draining (shutting down); retry elsewhere",
-                                  p.config.retry_after)
-        limit = p.config.inflight_limit
-        if self.active >= limit:
-            p.metrics.overloaded.inc()
-            return error_response(429, f"router at its in-flight limit ({limit} requests); "
-                                  "retry later", p.config.retry_after)
-        return None
 
     def _bad(self, message: str, status: int = 400) -> web.Response:
         kind = {400: "bad_request", 408: "body_timeout", 413: "too_large"}.get(status, "bad_request")

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import orjson
 
 from eldr_sglang.core.policies import RouteRequest
+from eldr_sglang.router.admission import Admission
 from eldr_sglang.router.bodies import BodyParser
 from eldr_sglang.router.config import RouterConfig
 from eldr_sglang.router.decision_log import DecisionLog
@@ -43,6 +44,7 @@ class DispatchParts:
     runtime: Runtime
     decisions: DecisionLog
     log: RateLimitedLog  # rate-limited warnings (shared with the signature intake)
+    admission: Admission
     shadow: Optional["ShadowPolicy"] = None
     early: Optional[EarlyRoute] = None  # --binding early|auto: a route at arrival, or None
     learns: bool = False  # --online: every request's signature is watched

@@ -47,13 +47,12 @@ class InfoApi:
         return web.Response(status=200)
 
     def readiness(self) -> dict:
-        """Ready = at least one healthy prefill and one healthy decode server."""
-        pool, draining = self.pool, self.runtime.draining
-        healthy = {"prefill": sum(w.available() for w in pool.prefills),
-                   "decode": sum(w.available() for w in pool.decodes)}
-        ready = not draining and healthy["prefill"] > 0 and healthy["decode"] > 0
+        """Ready = not draining and at least one healthy server of each role."""
+        roles, draining = self.pool.roles(), self.runtime.draining
+        healthy = {role: sum(w.available() for w in ws) for role, ws in roles.items()}
+        ready = not draining and all(healthy.values())
         return {"ready": ready, "draining": draining, "healthy": healthy,
-                "servers": {"prefill": len(pool.prefills), "decode": len(pool.decodes)}}
+                "servers": {role: len(ws) for role, ws in roles.items()}}
 
     async def h_ready(self, request: web.Request) -> web.Response:
         """Readiness for load balancers: 200 when requests can be served, else 503."""
@@ -68,7 +67,7 @@ class InfoApi:
     async def h_server_info(self, request: web.Request) -> web.Response:
         res = await self.fan_out("get_server_info")
         prefill = [b for s, _, b in res if s.role == "prefill"]
-        decode = [b for s, _, b in res if s.role == "decode"]
+        decode = [b for s, _, b in res if s.role != "prefill"]
         states = [x for b in decode if isinstance(b, dict) for x in b.get("internal_states", [])]
         return json_response({
             "internal_states": states or [{"last_gen_throughput": 0.0,

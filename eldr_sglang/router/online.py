@@ -252,7 +252,8 @@ class OnlineController:
 
 
 class CalibrationWatcher:
-    """Reload ``path`` whenever its modification time or size changes."""
+    """Reload ``path`` whenever its modification time, size or inode changes (an
+    atomic replace within one clock tick, same size, is a new inode)."""
 
     def __init__(self, reload: Callable[[str], dict], metrics: RouterMetrics, path: str,
                  interval: float) -> None:
@@ -260,12 +261,12 @@ class CalibrationWatcher:
         self.seen = self._stamp()
         self.errors = 0
 
-    def _stamp(self) -> Optional[tuple[int, int]]:
+    def _stamp(self) -> Optional[tuple[int, int, int]]:
         try:
             st = os.stat(self.path)
         except OSError:
             return None
-        return st.st_mtime_ns, st.st_size
+        return st.st_mtime_ns, st.st_size, st.st_ino
 
     def check(self) -> bool:
         """Reload if the file changed; True when a new artifact went live."""

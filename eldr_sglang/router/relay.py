@@ -1,6 +1,7 @@
-"""The end of the PD dispatch flow: the decode answer relayed to the client once the
-prefill is known to have succeeded, worker failures turned into the client's
-answer, and aborts of a request on the workers it was written to."""
+"""Everything after a worker is chosen, for both request flows: its answer relayed to
+the client (in PD, once the prefill is known to have succeeded), worker failures
+turned into the client's answer, and aborts of a request on the workers it was
+written to. A co-located flight has no prefill (``prefill_task`` None)."""
 
 from __future__ import annotations
 
@@ -12,44 +13,47 @@ import orjson
 from aiohttp import web
 
 from eldr_sglang.router import upstream
-from eldr_sglang.router.dispatch_parts import DispatchParts, Flight, PrefillResult
+from eldr_sglang.router.config import RouterConfig
+from eldr_sglang.router.dispatch_parts import Flight, PrefillResult
+from eldr_sglang.router.metrics import RouterMetrics
 from eldr_sglang.router.responses import JSON, error_response, worker_error_response
-from eldr_sglang.router.workers import Worker
+from eldr_sglang.router.runtime import Runtime
+from eldr_sglang.router.workers import Worker, WorkerPool
 
 logger = logging.getLogger("eldr_sglang.router")
 ABORT_TIMEOUT = 5.0
 
 
 class Relay:
-    def __init__(self, parts: DispatchParts) -> None:
-        self.p = parts
+    def __init__(self, config: RouterConfig, metrics: RouterMetrics, pool: WorkerPool,
+                 runtime: Runtime) -> None:
+        self.config, self.metrics, self.pool, self.runtime = config, metrics, pool, runtime
 
     # ------------------------------------------------------------ answers
     def prefill_error(self, res: PrefillResult) -> web.Response:
         """A failed prefill as the client's answer (503 when it may be retried)."""
-        self.p.metrics.event("prefill_errors_returned")
+        self.metrics.event("prefill_errors_returned")
         if res.status == 0:
             unavailable = res.local or "unreachable" in res.error
             return error_response(503 if unavailable else 502, res.error,
-                                  self.p.config.retry_after if unavailable else None)
+                                  self.config.retry_after if unavailable else None)
         if res.status == 200:  # an error inside a 200 stream
             return error_response(502, f"prefill server failed: {res.error}")
         return worker_error_response(res.status, res.body, "prefill")
 
     def decode_failed(self, d: Worker, ticket, e: upstream.UpstreamError, fl: Flight) -> web.Response:
-        p = self.p
         self.abort_sent(fl, [fl.prefill] + ([] if isinstance(e, upstream.ConnectError) else [d]))
         if isinstance(e, upstream.LocalResourceError):
-            p.metrics.errors.labels("saturated" if isinstance(e, upstream.Saturated)
+            self.metrics.errors.labels("saturated" if isinstance(e, upstream.Saturated)
                                     else "local_resources").inc()
-            logger.warning("decode %s: %s", d.url, e)
-            return error_response(503, f"router out of resources: {e.public}", p.config.retry_after)
+            logger.warning("%s %s: %s", d.role, d.url, e)
+            return error_response(503, f"router out of resources: {e.public}", self.config.retry_after)
         if isinstance(e, upstream.ConnectError):
-            p.pool.failure(d, ticket, repr(e), "connect", hard=True)
-            return error_response(503, f"decode server unavailable: {e.public}", p.config.retry_after)
+            self.pool.failure(d, ticket, repr(e), "connect", hard=True)
+            return error_response(503, f"{d.role} server unavailable: {e.public}", self.config.retry_after)
         timeout = isinstance(e, upstream.Timeout)
-        p.pool.failure(d, ticket, repr(e), "timeout" if timeout else "disconnect", hard=True)
-        return error_response(504 if timeout else 502, f"decode server failed: {e.public}")
+        self.pool.failure(d, ticket, repr(e), "timeout" if timeout else "disconnect", hard=True)
+        return error_response(504 if timeout else 502, f"{d.role} server failed: {e.public}")
 
     # ------------------------------------------------------------ relay
     async def relay(self, request: web.Request, resp: upstream.UpstreamResponse, d: Worker,
@@ -58,7 +62,7 @@ class Relay:
 
         Worker error statuses pass through (JSON bodies as they are); a decode server
         that fails mid-answer gives 502/504 JSON (non-stream) or a final SSE error event."""
-        p, pool, prefill_task = self.p, self.p.pool, fl.prefill_task
+        pool, prefill_task = self.pool, fl.prefill_task
         if resp.status != 200:
             try:
                 data = await resp.read()
@@ -68,9 +72,18 @@ class Relay:
                 pool.failure(d, ticket, f"HTTP {resp.status}: {data[:200]!r}", "http_5xx")
             else:
                 pool.success(d, ticket)
-                p.metrics.worker_errors.labels(d.role, d.url, "http_4xx").inc()
+                self.metrics.worker_errors.labels(d.role, d.url, "http_4xx").inc()
             self.abort_sent(fl, [fl.prefill])
-            return worker_error_response(resp.status, data, "decode")
+            return worker_error_response(resp.status, data, d.role)
+        if prefill_task is None:  # co-located: no prefill to wait for
+            if not fl.stream:
+                try:
+                    data = await resp.read()
+                except upstream.UpstreamError as e:
+                    return self.decode_failed(d, ticket, e, fl)
+                pool.success(d, ticket)
+                return web.Response(body=data, status=200, content_type=JSON)
+            return await self._stream(request, resp, d, ticket, fl)
         if not fl.stream:
             read = asyncio.ensure_future(resp.read())
             try:
@@ -97,7 +110,7 @@ class Relay:
 
     async def _stream(self, request: web.Request, resp: upstream.UpstreamResponse, d: Worker,
                       ticket, fl: Flight) -> web.StreamResponse:
-        pool = self.p.pool
+        pool = self.pool
         headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         if fl.headers:
             headers.update(fl.headers)  # the request id, echoed
@@ -109,14 +122,14 @@ class Relay:
             await out.write_eof()
             pool.success(d, ticket)
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            self.p.metrics.event("client_disconnects")
+            self.metrics.event("client_disconnects")
             self.abort_sent(fl, [fl.prefill, d])
         except upstream.UpstreamError as e:
             timeout = isinstance(e, upstream.Timeout)
             pool.failure(d, ticket, f"stream broken: {e!r}", "timeout" if timeout else "stream",
                          hard=timeout)
             self.abort_sent(fl, [d])
-            err = {"error": {"message": f"decode server failed mid-stream: {e.public}",
+            err = {"error": {"message": f"{d.role} server failed mid-stream: {e.public}",
                              "type": "upstream_error", "code": 504 if timeout else 502}}
             try:
                 await out.write(b"data: " + orjson.dumps(err) + b"\n\n")
@@ -128,19 +141,18 @@ class Relay:
     # ------------------------------------------------------------ aborts
     def abort_sent(self, fl: Flight, servers: list[Worker]) -> None:
         """Abort the flight's rids on those of ``servers`` the request was written to."""
-        sent = [s for s in servers if id(s) in fl.sent]
-        if sent:
-            self.p.runtime.spawn(self.abort(fl.rids, sent))
+        sent = [s for s in servers if s is not None and id(s) in fl.sent]
+        if sent and fl.rids:
+            self.runtime.spawn(self.abort(fl.rids, sent))
 
     async def abort(self, rids: list[str], servers: list[Worker]) -> None:
         """Best-effort ``/abort_request`` for every rid on every server."""
-        p = self.p
-        p.metrics.event("aborts")
+        self.metrics.event("aborts")
         timeout = aiohttp.ClientTimeout(total=ABORT_TIMEOUT)
 
         async def one(s: Worker, rid: str) -> None:
             try:
-                async with p.runtime.session.post(s.endpoint("abort_request"), json={"rid": rid},
+                async with self.runtime.session.post(s.endpoint("abort_request"), json={"rid": rid},
                                                   timeout=timeout) as resp:
                     await resp.read()
             except Exception as e:  # noqa: BLE001 - best effort

@@ -97,18 +97,15 @@ def decide(policy: Policy, route: RouteRequest, loads: Sequence[int],
 class ScoreEndpoint:
     """``POST /eldr/score`` over a :class:`PredictedRouting`, a policy and a server list.
 
-    ``servers()`` -> URLs in policy order, ``loads()`` -> their loads; ``policy()`` the
-    live policy (read per request: a reload may swap it)."""
+    ``routing()`` -> the live :class:`PredictedRouting`, ``policy()`` the live policy
+    (both read per request: a reload may swap them); ``servers()`` -> URLs in policy
+    order, ``loads()`` -> their loads."""
 
-    def __init__(self, routing: PredictedRouting, policy, servers, loads, counter: Counter,
-                 centroids: Optional[np.ndarray] = None, *, body_limit: int = 32 << 20,
-                 body_timeout: Optional[float] = None) -> None:
+    def __init__(self, routing, policy, servers, loads, counter: Counter, *,
+                 body_limit: int = 32 << 20, body_timeout: Optional[float] = None) -> None:
         self.routing, self.policy, self.servers, self.loads = routing, policy, servers, loads
         self.counter = counter
         self.body_limit, self.body_timeout = body_limit, body_timeout
-        art = routing.artifact
-        self.centroids = (np.asarray(centroids if centroids is not None else art.centroids, dtype=np.float32)
-                          if art is not None else None)
 
     async def handle(self, request: web.Request) -> web.Response:
         t0 = time.perf_counter()
@@ -124,19 +121,20 @@ class ScoreEndpoint:
                                                    "v1/completions" if "prompt" in body else "generate"))
         if endpoint.lstrip("/") not in ENDPOINTS:
             return error_response(400, f"'endpoint' must be one of {', '.join(ENDPOINTS)}")
+        predicted = self.routing()
         try:
-            items = self.routing.token_ids(body, endpoint.lstrip("/"))
+            items = predicted.token_ids(body, endpoint.lstrip("/"))
         except ValueError as e:
             return error_response(400, str(e))
-        if not self.routing.can_predict:
+        if not predicted.can_predict:
             return error_response(409, "the calibration artifact has no signature predictor "
                                   "(calibrate with --predictor-prompts)")
-        route, facts = self.routing.route(items)
+        route, facts = predicted.route(items)
         policy = self.policy()
         urls = self.servers()
         dec, path = decide(policy, route, self.loads())
         self.counter.labels("score", path).inc()
-        sims = self.centroids @ route.signature
+        sims = np.asarray(predicted.artifact.centroids, dtype=np.float32) @ route.signature
         server_sims = dec.server_similarities
         if server_sims is None:  # a policy that does not score servers: server i ~ centroid i
             server_sims = np.array([sims[i % len(sims)] for i in range(len(urls))], dtype=np.float32)

@@ -114,6 +114,10 @@ class WorkerPool:
     def all(self) -> list[Worker]:
         return list(chain(self.prefills, self.decodes))
 
+    def roles(self) -> dict[str, list[Worker]]:
+        """The servers by role (what readiness needs one of each)."""
+        return {"prefill": self.prefills, "decode": self.decodes}
+
     # ------------------------------------------------------------ membership
     def _add(self, workers: list[Worker], role: str, url: str,
              bootstrap_port: Optional[int] = None) -> Worker:

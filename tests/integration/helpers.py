@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from eldr_sglang.router.app import Router, start_router
+from eldr_sglang.router import Router, start_router
 from eldr_sglang.testing.local_cluster import free_port
 from eldr_sglang.testing.stub_worker import StubWorker, ToyArtifact
 from eldr_sglang.testing.toy_artifact import save_toy_artifact

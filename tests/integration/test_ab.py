@@ -160,7 +160,7 @@ async def test_membership_changes_reach_every_ab_arm_and_the_shadow():
         status, _ = await post(http, f"{url}/eldr/servers", {"remove": [decodes[2].url]})
         assert status == 200
         for arm in router.ab.routings:  # the idle arm follows the pool too
-            router.set_routing(arm)
+            router.state.set_routing(arm)
             status, _ = await post(http, f"{url}/generate", {"text": "topic:1 x"})
             assert status == 200
         await until(lambda: router.metrics.value("shadow_decisions") == 3, what="shadow outcomes")

@@ -9,7 +9,7 @@ import contextlib
 import aiohttp
 import orjson
 
-from eldr_sglang.router.app import start_router
+from eldr_sglang.router.serve import start_router
 from eldr_sglang.router.colocated import ColocatedRouter
 from eldr_sglang.testing.stub_worker import StubWorker
 from tests.integration.helpers import post, until
@@ -135,7 +135,7 @@ async def test_readiness_follows_workers_and_draining():
         for w in workers:
             w.health_status = 200
         await router.pool.check_health()
-        router.draining = True
+        router.runtime.draining = True
         async with http.get(url + "/ready") as r:
             assert r.status == 503 and (await r.json())["draining"]
         async with http.get(url + "/liveness") as r:

@@ -96,7 +96,7 @@ async def test_tcp_stream_to_the_real_router_and_reconnect_after_it_closes():
     signature stream receives the messages, and a dropped connection is reopened."""
     import asyncio
 
-    from eldr_sglang.router.app import Router, start_router
+    from eldr_sglang.router import Router, start_router
 
     router = Router([("http://127.0.0.1:1", None)], ["http://127.0.0.1:2"], "round_robin",
                     health_interval=0, signature_port=0)

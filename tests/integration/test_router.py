@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from eldr_sglang.core.policies import RouteRequest
-from eldr_sglang.router.app import start_router
+from eldr_sglang.router.serve import start_router
 from eldr_sglang.testing.stub_worker import KvHandoff, StubWorker, ToyArtifact, topic_counts
 from tests.integration.helpers import BOOT_PORT, cluster, post, until
 

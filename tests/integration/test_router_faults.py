@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from eldr_sglang.router import upstream
-from eldr_sglang.router.app import Router, start_router
+from eldr_sglang.router import Router, start_router
 from eldr_sglang.testing.stub_worker import KvHandoff, StubWorker, ToyArtifact
 from tests.integration.helpers import BOOT_PORT, free_port, post, until
 
@@ -98,7 +98,7 @@ async def drive(router, url, http, n=24, bound=20.0, topic=None):
 
 async def settled(router, timeout=10.0):
     """Nothing left in flight in the router (waits on the condition)."""
-    await until(lambda: not (router.dispatcher.active or router.board.waiters
+    await until(lambda: not (router.admission.active or router.board.waiters
                              or any(w.inflight for w in router.pool.all())), timeout, "the router to hold no request")
 
 

@@ -16,7 +16,7 @@ import aiohttp
 import orjson
 import pytest
 
-from eldr_sglang.router.app import Router, start_router
+from eldr_sglang.router import Router, start_router
 from eldr_sglang.router.config import RouterConfig
 from eldr_sglang.testing.stub_worker import StubWorker, ToyArtifact, topic_counts
 from tests.integration.helpers import BOOT_PORT, cluster, free_port, post, save_artifact, until
@@ -256,7 +256,7 @@ async def test_bounded_state_waiters_and_early_messages():
             with pytest.raises(asyncio.TimeoutError):
                 await post(http, f"{url}/generate", {"text": "topic:1"},
                            timeout=aiohttp.ClientTimeout(total=0.1))
-        await until(lambda: not router.board.waiters and router.dispatcher.active == 0)
+        await until(lambda: not router.board.waiters and router.admission.active == 0)
         # unclaimed messages: capped at signature_buffer, then expire by TTL with no traffic
         msgs = [{"bootstrap_room": 1000 + i, "layers": [0, 1], "counts": topic_counts("topic:0")}
                 for i in range(50)]
@@ -339,7 +339,7 @@ async def test_kill_decode_mid_load_every_request_ends_and_routing_recovers():
         # recovery: later traffic for region 1 all succeeds elsewhere
         for i in range(6):
             assert await server_of(http, url, f"topic:1 after {i}") in ("d0", "d2")
-        assert router.dispatcher.active == 0 and not router.board.waiters
+        assert router.admission.active == 0 and not router.board.waiters
         assert all(d.inflight == 0 for d in router.decodes)
 
 

@@ -170,7 +170,7 @@ async def test_a_request_queued_for_a_connection_is_never_aborted_on_that_worker
         await until(lambda: "held" in decodes[0].aborts, what="abort of the held request")
         assert [r["rid"] for r in decodes[0].requests] == ["held"]
         assert "queued" not in decodes[0].aborts
-        await until(lambda: router.upstream.waiting == 0 and router.dispatcher.active == 0)
+        await until(lambda: router.upstream.waiting == 0 and router.admission.active == 0)
 
 
 # ------------------------------------------------------------------ 5. slow clients

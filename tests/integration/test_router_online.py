@@ -9,7 +9,7 @@ import json
 import pytest
 
 from eldr_sglang.core.artifact import load_artifact
-from eldr_sglang.router.app import Router, start_router
+from eldr_sglang.router import Router, start_router
 from eldr_sglang.testing.stub_worker import StubWorker
 from tests.integration.helpers import BOOT_PORT, cluster, post, until
 

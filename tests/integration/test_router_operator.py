@@ -7,7 +7,7 @@ import aiohttp
 import orjson
 import pytest
 
-from eldr_sglang.router.app import Router, start_router
+from eldr_sglang.router import Router, start_router
 from eldr_sglang.testing.stub_worker import StubWorker
 from tests.integration.helpers import BOOT_PORT, cluster, free_port, post, until
 

@@ -333,7 +333,7 @@ BIG_BODIES = {
 
 @pytest.mark.parametrize("shape", sorted(BIG_BODIES))
 async def test_no_big_body_stalls_the_event_loop(shape):
-    from eldr_sglang.router.app import Router, start_router
+    from eldr_sglang.router import Router, start_router
 
     prefill, purl = await sink_worker()
     decode, durl = await sink_worker()
@@ -365,7 +365,7 @@ async def test_no_big_body_stalls_the_event_loop(shape):
 async def test_no_big_body_stalls_the_colocated_router(shape):
     """The co-located router forwards the raw bytes: a big body is parsed in the parser
     process and only the fields routing reads come back."""
-    from eldr_sglang.router.app import start_router
+    from eldr_sglang.router.serve import start_router
     from eldr_sglang.router.colocated import ColocatedRouter
 
     server, url = await sink_worker()

@@ -18,7 +18,7 @@ import aiohttp
 import orjson
 import pytest
 
-from eldr_sglang.router.app import Router, start_router
+from eldr_sglang.router import Router, start_router
 from eldr_sglang.testing.stub_worker import KvHandoff, StubWorker, ToyArtifact
 from tests.integration.helpers import BOOT_PORT, free_port, post, save_artifact, until
 

@@ -97,7 +97,7 @@ def test_simulator_runs_it_and_it_groups_experts(tmp_path):
 
 
 async def test_router_routes_by_live_batches_without_an_artifact():
-    from eldr_sglang.router.app import Router, start_router
+    from eldr_sglang.router import Router, start_router
     from eldr_sglang.testing.stub_worker import StubWorker
     from tests.integration.helpers import BOOT_PORT, post, until
 

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from eldr_sglang.core.policies import RouteRequest
 from eldr_sglang.core.wire import RETURN_ADDRESS_KEY
+from eldr_sglang.router.admission import Admission
 from eldr_sglang.router.bodies import BodyParser
 from eldr_sglang.router.config import RouterConfig
 from eldr_sglang.router.decision_log import DecisionLog
@@ -37,10 +38,12 @@ def make_parts(prefill="http://127.0.0.1:9", decodes=("http://127.0.0.1:10", "ht
     config = RouterConfig.from_dict({"policy": "jsq", **settings})
     metrics = RouterMetrics()
     pool = WorkerPool([(prefill, 8998)], list(decodes), config, metrics)
+    runtime = Runtime()
     return DispatchParts(
         config, metrics, pool, SignatureBoard(), BodyParser(),
         UpstreamClient(config.request_timeout, config.connect_timeout), WaitLimit(2.0),
-        RoutingState(config, pool, metrics, artifact), Runtime(), DecisionLog(8), RateLimitedLog())
+        RoutingState(config, pool, metrics, artifact), runtime, DecisionLog(8), RateLimitedLog(),
+        Admission(config, metrics, runtime))
 
 
 def flight(parts: DispatchParts, body=None, n=None) -> Flight:
@@ -72,13 +75,15 @@ def closed_port() -> int:
 # ------------------------------------------------------------ admit
 def test_admit_refuses_while_draining_and_at_the_inflight_limit():
     d = Dispatcher(make_parts(max_inflight=1))
-    assert d.refusal() is None
-    d.active = 1
-    resp = d.refusal()
+    gate = d.p.admission
+    assert gate.refusal() is None
+    gate.enter()
+    resp = gate.refusal()
     assert resp.status == 429 and b"in-flight limit (1 requests)" in resp.body
-    d.active = 0
+    gate.leave()
+    assert gate.idle.is_set()
     d.p.runtime.draining = True
-    resp = d.refusal()
+    resp = gate.refusal()
     assert resp.status == 503 and "Retry-After" in resp.headers
     assert d.p.metrics.value("events", event="refused_draining") == 1
 
