@@ -133,7 +133,7 @@ class EldrBalancedPolicy(StateAwarePolicy):
         n = len(loads)
         if n != len(self.servers):
             raise ValueError(f"{n} loads for {len(self.servers)} servers")
-        cand = self._capped(_candidates(n, allowed).tolist(), loads)
+        cand = self._capped(_candidate_list(n, allowed), loads)
         if self.sim_band is not None and self.ownership is not None and request.signature is not None:
             return self._band_first(request, loads, cand)
         costs = self._costs(request, loads)
@@ -176,7 +176,13 @@ class EldrBalancedPolicy(StateAwarePolicy):
         costs = self._costs(request, loads, band)
         if not math.isfinite(sum(costs[i] for i in band)):  # never from this state
             return self._fallback("degenerate_cost", loads, cand)
-        idx = min(band, key=lambda i: (costs[i], -sims[i], i))
+        # min over (cost, -similarity, index) without a key tuple per server
+        idx = band[0]
+        bc, bs = costs[idx], sims[idx]
+        for i in band:
+            c = costs[i]
+            if c < bc or (c == bc and sims[i] > bs):
+                idx, bc, bs = i, c, sims[i]
         return Decision(idx, self.name, "region_band", tuple(band), sims[idx], server_sims, csims)
 
     def describe(self) -> dict:
@@ -185,6 +191,16 @@ class EldrBalancedPolicy(StateAwarePolicy):
                    sim_band=self.sim_band, sim_band_full=self.sim_band_full,
                    ownership=None if self.ownership is None else self.ownership.as_lists())
         return out
+
+
+def _candidate_list(n: int, allowed) -> list[int]:
+    """:func:`~.base._candidates` as a list, without numpy for the router's mask (a list of
+    bools): the allowed indices, all of them if none is."""
+    if allowed is None:
+        return list(range(n))
+    if type(allowed) is list and len(allowed) == n and allowed.count(True) == n:  # all allowed
+        return list(range(n))
+    return _candidates(n, allowed).tolist()
 
 
 register_policy(PolicySpec(

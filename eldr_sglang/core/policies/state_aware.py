@@ -91,13 +91,34 @@ class _Server:
         self.releases = 0  # since the last recompute of its sums
 
 
+_BOUNDS32: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # size -> (zeros, P_MAX) float32 rows
+
+
+def _bounds32(n: int) -> tuple[np.ndarray, np.ndarray]:
+    b = _BOUNDS32.get(n)
+    if b is None:
+        if len(_BOUNDS32) > 8:  # a few activation sizes per process; never grows without bound
+            _BOUNDS32.clear()
+        b = _BOUNDS32[n] = (np.zeros(n, dtype=np.float32), np.full(n, _P_MAX32, dtype=np.float32))
+        for a in b:
+            a.flags.writeable = False
+    return b
+
+
 def unused_log(p: np.ndarray) -> np.ndarray:
     """``log(1 - p)`` (float64 of a float32 log1p) with ``p`` clamped to ``[0, P_MAX]``
     (-inf: 0, +inf: ``P_MAX``), so every term is <= 0 and finite; NaN stays NaN here
     (fmax/fmin would catch it at 3x the cost of maximum/minimum): :meth:`StateAwarePolicy._refresh`
     finds it in a server's sum and sets it to 0 (p = 0)."""
-    q = np.maximum(p, np.float32(0.0))
-    np.minimum(q, _P_MAX32, out=q)
+    if p.dtype == np.float32 and p.ndim == 1:
+        # the same clamps against constant rows: numpy's maximum/minimum with an array
+        # operand take their SIMD loop, with a scalar one ~2-3x slower at D = 6,144
+        lo, hi = _bounds32(p.shape[0])
+        q = np.maximum(p, lo)
+        np.minimum(q, hi, out=q)
+    else:
+        q = np.maximum(p, np.float32(0.0))
+        np.minimum(q, _P_MAX32, out=q)
     np.negative(q, out=q)
     np.log1p(q, out=q)
     return q.astype(np.float64)  # float64 += float64 is ~4x faster than += float32
@@ -123,6 +144,8 @@ class StateAwarePolicy(Policy):
         self._reported: set[int] = set()  # servers with an engine report (offset row in use)
         self.laws: list[Optional[StepCost]] = [None] * num_servers  # per-server step laws (None: cost)
         self.fallbacks: dict[str, int] = {}  # decisions that could not use the costs, by reason
+        # _costs inlines the step-time law unless a subclass prices servers its own way
+        self._inline_score = type(self)._score is StateAwarePolicy._score
         self.centroids = None
         if centroids is not None:
             c = np.asarray(centroids, dtype=np.float32)
@@ -140,6 +163,8 @@ class StateAwarePolicy(Policy):
             self.unique = np.zeros(n)
             self.offset = np.zeros((n, dim))
             self._row = np.empty(dim)  # scratch row of _refresh
+            self._floor = np.full(dim, LOG_FREE_MIN)  # _refresh's clamp as an array operand (SIMD)
+            self._floor.flags.writeable = False
         elif dim != self.dim:
             raise ValueError(f"activation has {dim} dims, the policy tracks {self.dim}")
 
@@ -155,7 +180,8 @@ class StateAwarePolicy(Policy):
         self._ensure(p.size)
         s = self.servers[index]
         tok = _Live(s, unused_log(p))
-        self.log_free[index] += tok.log_q
+        row = self.log_free[index]  # a view: ``log_free[i] += x`` also copies the row onto itself
+        row += tok.log_q
         s.tokens.add(tok)
         s.live += 1
         self._stale.add(index)
@@ -188,7 +214,8 @@ class StateAwarePolicy(Policy):
             self.log_free[i] = self._recomputed(s)
             s.releases = 0
         else:
-            self.log_free[i] -= token.log_q
+            row = self.log_free[i]
+            row -= token.log_q
         self._stale.add(i)
 
     @staticmethod
@@ -212,12 +239,16 @@ class StateAwarePolicy(Policy):
         if self._reported:
             self._refresh_reported(rows)
             return
-        if len(rows) == 1:
-            i = rows[0]
-            f = np.maximum(self.log_free[i], LOG_FREE_MIN, out=self._row)
-            np.exp(f, out=f)
-            u = self.unique[i] = self.dim - float(f.sum())
-            np.copyto(self.free[i], f, casting="same_kind")
+        if len(rows) <= 4:  # row by row: the same values as the [rows, D] form, without its copies
+            f, floor, dim, unique, log_free, free = self._row, self._floor, self.dim, self.unique, \
+                self.log_free, self.free
+            u = 0.0
+            for i in rows:
+                np.maximum(log_free[i], floor, out=f)
+                np.exp(f, out=f)
+                ui = unique[i] = dim - float(f.sum())
+                u += ui
+                np.copyto(free[i], f, casting="same_kind")
         else:
             f = np.exp(np.maximum(self.log_free[rows], LOG_FREE_MIN))
             self.unique[rows] = self.dim - f.sum(axis=1)
@@ -329,11 +360,29 @@ class StateAwarePolicy(Policy):
                     du[i] = d
             else:
                 du = self._added_experts(p)
+        if not self._inline_score:
+            if rows is None:
+                return [self._score(k, loads[k], u[k], du[k]) for k in range(n)]
+            out = [math.inf] * n
+            for k in rows:
+                out[k] = self._score(k, loads[k], u[k], du[k])
+            return out
+        # _score inlined (a method call per server costs more than its arithmetic); the same
+        # expressions in the same order, so the same floats
+        laws, cost = self.laws, self.cost
         if rows is None:
-            return [self._score(k, loads[k], u[k], du[k]) for k in range(n)]
-        out = [math.inf] * n
+            out = [0.0] * n
+            rows = range(n)
+        else:
+            out = [math.inf] * n
         for k in rows:
-            out[k] = self._score(k, loads[k], u[k], du[k])
+            c = laws[k] or cost
+            ps, pe, b, dui = c.per_seq_s, c.per_expert_s, loads[k], du[k]
+            t0 = c.base_s + ps * b + pe * u[k]
+            score = t0 + (b + 1) * (ps + pe * dui)
+            if b >= c.max_batch:
+                score += (b - c.max_batch + 1) * (t0 + ps + pe * dui)
+            out[k] = score
         return out
 
     def _score(self, k: int, b: int, ui: float, dui: float) -> float:
