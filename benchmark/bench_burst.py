@@ -4,7 +4,7 @@ whether a worker got blamed.
 
 ::
 
-    python benchmark/bench_burst.py [--requests 2000] [--repeats 3] [--quick]
+    python -m benchmark.bench_burst [--requests 2000] [--repeats 3] [--quick]
 
 One prefill and ``--decodes`` decode stubs (``eldr_sglang.testing.stub_worker``, one
 process each, listen backlog ``--stub-backlog``, 2048 as SGLang's uvicorn) serve both routers; the routers run
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import aiohttp
 
-from common import free_port, write_record
+from benchmark.common import free_port, write_record
 from eldr_sglang.testing.local_cluster import sglang_router_argv
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
 """Calibration-core timings on a synthetic trace set (default: paper scale).
 
-    python benchmark/bench_calibration.py [--requests 14000 --layers 48 --experts 128 --clusters 24]
+    python -m benchmark.bench_calibration [--requests 14000 --layers 48 --experts 128 --clusters 24]
 
 Prints wall and CPU times (CPU time is all threads; on a busy machine wall time
 can exceed it) of IDF fit, signature transform (10k requests and all),
@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from common import Stopwatch, parse_with_quick
+from benchmark.common import Stopwatch, parse_with_quick
 from eldr_sglang.core import (
     BalancedKMeans,
     SignatureBuilder,

@@ -1,9 +1,9 @@
 """Routing before prefill on real SGLang CPU servers: co-located mode and PD early binding.
 
-    python benchmark/bench_colocated_real.py --repeats 2 --json benchmark/results/colocated_real.json
-    python benchmark/bench_colocated_real.py --setup pd --artifact .cache/bench-colocated/artifact-predictor.json \\
+    python -m benchmark.bench_colocated_real --repeats 2 --json benchmark/results/colocated_real.json
+    python -m benchmark.bench_colocated_real --setup pd --artifact .cache/bench-colocated/artifact-predictor.json \\
         --out .cache/bench-pd --repeats 2 --json benchmark/results/early_binding_real.json
-    python benchmark/bench_colocated_real.py --render benchmark/results/colocated_real.json   # the table again
+    python -m benchmark.bench_colocated_real --render benchmark/results/colocated_real.json   # the table again
 
 ``--setup colocated`` (default): N plain (non-PD) SGLang CPU servers with the tiny MoE
 and the ELDR plugin in trace mode (one record per request and per decode step, each
@@ -52,8 +52,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_real_cpu import bench_serving, equal_batch, summarise
-from common import ROOT, free_port, markdown_table, mean_sd, parse_with_quick, write_record
+from benchmark.bench_real_cpu import bench_serving, equal_batch, summarise
+from benchmark.common import ROOT, free_port, markdown_table, mean_sd, parse_with_quick, write_record
 
 from eldr_sglang.core.artifact import FORMAT_VERSION, load_artifact
 from eldr_sglang.core.predictor import SignaturePredictor

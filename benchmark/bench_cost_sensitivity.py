@@ -1,7 +1,7 @@
 """ELDR's gain across cost models: the paper's anchor, our microbenchmark's fit, and a
 range of per-layer fixed costs. SIMULATED.
 
-    .venv/bin/python benchmark/bench_cost_sensitivity.py [--seeds 3] [--rate 80]
+    .venv/bin/python -m benchmark.bench_cost_sensitivity [--seeds 3] [--rate 80]
 
 The simulator's step time charges each distinct expert a weight read and each MoE
 layer a fixed cost; the fixed cost decides how much fewer experts save. Parameter
@@ -30,7 +30,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from common import command_line, fmt_mean_sd, markdown_table, parse_with_quick, quick_out, write_record
+from benchmark.common import command_line, fmt_mean_sd, markdown_table, parse_with_quick, quick_out, write_record
 from eldr_sglang.sim import experiments
 from eldr_sglang.core.policies import make_policy
 from eldr_sglang.sim.cost_model import fit_moe_layer_fixed, fit_to_microbench, get_params, layer_ratio
@@ -54,7 +54,7 @@ def param_sets() -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python benchmark/bench_cost_sensitivity.py",
+    ap = argparse.ArgumentParser(prog="python -m benchmark.bench_cost_sensitivity",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--rate", type=float, default=80.0)

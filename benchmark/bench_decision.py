@@ -1,6 +1,6 @@
 """The router's decision step, piece by piece, in one process (no network).
 
-    python benchmark/bench_decision.py [--servers 24] [--layers 48] [--experts 128] [--policy eldr_balanced]
+    python -m benchmark.bench_decision [--servers 24] [--layers 48] [--experts 128] [--policy eldr_balanced]
 
 Decision step = parse the signature message (JSON + packed counts) + encode it with
 the calibration artifact (IDF weights, L2 norm) + ``Dispatcher.decide`` (loads,
@@ -20,13 +20,13 @@ import time
 import numpy as np
 import orjson
 
-from common import parse_with_quick, write_record
+from benchmark.common import parse_with_quick, write_record
 from eldr_sglang.core.artifact import CalibrationArtifact
 from eldr_sglang.core.policies import RouteRequest
 from eldr_sglang.core.traces import ModelSpec
 from eldr_sglang.core.wire import build_message, http_body, parse_message
 from eldr_sglang.router.app import Router
-from eldr_sglang.router.signatures import activation
+from eldr_sglang.router.signals.signatures import activation
 
 
 def timed(fn, iters: int, repeats: int = 5) -> dict:

@@ -1,9 +1,9 @@
 """Which policy is the router's default: eldr_balanced against the balancers, ELDR, Domain and
 the oracle grouping, by the decision rule below. SIMULATED.
 
-    .venv/bin/python benchmark/bench_default_policy.py --jobs 2     # everything missing (about 40 CPU-min)
-    .venv/bin/python benchmark/bench_default_policy.py --quick      # smoke test (seconds; outputs under .cache/)
-    .venv/bin/python benchmark/bench_default_policy.py --render-only
+    .venv/bin/python -m benchmark.bench_default_policy --jobs 2     # everything missing (about 40 CPU-min)
+    .venv/bin/python -m benchmark.bench_default_policy --quick      # smoke test (seconds; outputs under .cache/)
+    .venv/bin/python -m benchmark.bench_default_policy --render-only
 
 Three experiments, seeds 0-4, both workloads (measured traces of the tiny trained MoE):
 
@@ -36,9 +36,9 @@ from typing import Sequence
 
 import numpy as np
 
-from common import command_line, fmt_mean_sd, markdown_table, write_record
-import bench_state_aware as grid_bench
-import report
+from benchmark.common import command_line, fmt_mean_sd, markdown_table, write_record
+from benchmark import bench_state_aware as grid_bench
+from benchmark import report
 from eldr_sglang.sim import experiments
 from eldr_sglang.core.policies import PolicyContext, build_policy
 from eldr_sglang.core.policies.eldr_balanced import EldrBalancedPolicy
@@ -61,7 +61,7 @@ QUICK = dict(pools=(8,), rates=(20.0, 60.0), seeds=2, goodput_k=8, goodput_rates
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python benchmark/bench_default_policy.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmark.bench_default_policy", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny grid, short windows, no reference reuse; .cache/ outputs")
     ap.add_argument("--render-only", action="store_true", help="rewrite the markdown from the JSON")
     ap.add_argument("--jobs", type=int, default=1, help="simulation processes")

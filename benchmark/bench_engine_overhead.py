@@ -13,7 +13,7 @@
 * --memory: the KV-slot table and the staging buffer per GPU for the shipped
   deploy presets (eldr_sglang/deploy/presets), with the assumptions printed.
 
-    python benchmark/bench_engine_overhead.py [--servers] [--memory]
+    python -m benchmark.bench_engine_overhead [--servers] [--memory]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from common import parse_with_quick, seconds_per_call
+from benchmark.common import parse_with_quick, seconds_per_call
 from eldr_sglang.radix_signature import ExpertSlotTable
 
 

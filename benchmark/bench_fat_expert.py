@@ -10,7 +10,7 @@ label ("grouped", what ELDR's routing gives a decode server) or of as many label
 possible ("mixed", what a load balancer gives), repeated ``--repeats`` times with
 the order rotated per round. Run it under the machine's SGLang lock::
 
-    flock /tmp/eldr-sglang.lock python benchmark/bench_fat_expert.py --repeats 3 \\
+    flock /tmp/eldr-sglang.lock python -m benchmark.bench_fat_expert --repeats 3 \\
         --json benchmark/results/fat_expert.json
 
 Reported: per B, grouped vs mixed TPOT (client-side, per request: time between its
@@ -32,11 +32,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))  # tools/ is neither a package nor on sys.path
-from bench_real_cpu import step_records, step_time_fit  # noqa: E402
-from common import fmt_mean_sd, markdown_table, parse_with_quick, positive_int_list, write_record  # noqa: E402
-import make_fat_expert_model as fat  # noqa: E402
-from eldr_sglang.testing import local_cluster as lc  # noqa: E402
+from benchmark.bench_real_cpu import step_records, step_time_fit
+from benchmark.common import fmt_mean_sd, markdown_table, parse_with_quick, positive_int_list, write_record
+from tools import make_fat_expert_model as fat
+from eldr_sglang.testing import local_cluster as lc
 
 DEFAULT_WORKLOAD = ROOT / "benchmark" / "workloads" / "demo.jsonl"
 KINDS = ("grouped", "mixed")

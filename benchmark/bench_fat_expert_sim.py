@@ -1,7 +1,7 @@
 """The headline comparison under a cost law measured on a real SGLang server. SIMULATED.
 
-    .venv/bin/python benchmark/bench_fat_expert_sim.py --seeds 3 --json benchmark/results/fat_expert_sim.json
-    .venv/bin/python benchmark/bench_fat_expert_sim.py --quick   # smoke run (seconds; outputs under .cache/)
+    .venv/bin/python -m benchmark.bench_fat_expert_sim --seeds 3 --json benchmark/results/fat_expert_sim.json
+    .venv/bin/python -m benchmark.bench_fat_expert_sim --quick   # smoke run (seconds; outputs under .cache/)
 
 The simulator (8 prefill + 16 decode servers, measured traces of the tiny trained MoE,
 lengths 600 / 300 as ``report.py``) runs round robin, JSQ, ``eldr`` and the default
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import fmt_mean_sd, markdown_table, parse_with_quick, quick_out, write_record
-from bench_default_policy import candidate_policy
+from benchmark.common import fmt_mean_sd, markdown_table, parse_with_quick, quick_out, write_record
+from benchmark.bench_default_policy import candidate_policy
 from eldr_sglang.core.policies import make_policy
 from eldr_sglang.sim import experiments
 from eldr_sglang.sim.cost_model import get_params, step_time
@@ -49,7 +49,7 @@ def time_scale(cost: str, reference: str = COSTS[0], batch: int = 32) -> float:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python benchmark/bench_fat_expert_sim.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmark.bench_fat_expert_sim", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--rates", default="40,80", help="paper-set arrival rates (req/s); the CPU law's are scaled")
     ap.add_argument("--decodes", type=int, default=16)
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         md = render(rows, g, rec["command"], a.seeds)
         a.json.with_suffix(".md").write_text(md)
     else:
-        md = render(rows, g, "python benchmark/bench_fat_expert_sim.py", a.seeds)
+        md = render(rows, g, "python -m benchmark.bench_fat_expert_sim", a.seeds)
     print(md)
     return 0
 

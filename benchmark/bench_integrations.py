@@ -1,7 +1,7 @@
 """The latency the ELDR pre-router (eldr_sglang.integrations) adds in front of a host router.
 
-    python benchmark/bench_integrations.py [--hosts smg,dynamo] [--requests 400] [--json PATH]
-    python benchmark/bench_integrations.py --render benchmark/results/integrations.json
+    python -m benchmark.bench_integrations [--hosts smg,dynamo] [--requests 400] [--json PATH]
+    python -m benchmark.bench_integrations --render benchmark/results/integrations.json
 
 Per host router, on this machine, loopback only, everything in its own process:
 
@@ -43,14 +43,12 @@ import numpy as np
 import orjson
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import markdown_table, parse_with_quick, quick_out, write_record  # noqa: E402
-from eldr_sglang.integrations.dynamo_local import (LocalDynamo, dynamo_importable, free_port,  # noqa: E402
+from benchmark.common import markdown_table, parse_with_quick, quick_out, write_record
+from eldr_sglang.integrations.dynamo_local import (LocalDynamo, dynamo_importable, free_port,
                                                    non_loopback_listeners)
-from eldr_sglang.testing.local_cluster import sglang_router_argv  # noqa: E402
-from eldr_sglang.testing.topic_words import TOKENIZER_DIR, topic_artifact, topic_prompt  # noqa: E402
+from eldr_sglang.testing.local_cluster import sglang_router_argv
+from eldr_sglang.testing.topic_words import TOKENIZER_DIR, topic_artifact, topic_prompt
 
 OUT = ROOT / "benchmark" / "results" / "integrations.json"
 

@@ -1,7 +1,7 @@
 """What late binding costs: ELDR (decode chosen after the prefill's signature) vs
 load balancers that choose at arrival (sglang-router's flow). SIMULATED.
 
-    .venv/bin/python benchmark/bench_late_binding.py [--seeds 5] [--waits 0.002,0.02,0.1]
+    .venv/bin/python -m benchmark.bench_late_binding [--seeds 5] [--waits 0.002,0.02,0.1]
 
 Task traces (``benchmark/traces/task``), 8 prefill / 16 decode servers, Qwen3-30B-A3B
 on MI300X cost model, lengths rescaled to 600 / 300 tokens as ``report.py``. With
@@ -21,7 +21,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from common import command_line, fmt_mean_sd, markdown_table, parse_with_quick, quick_out, write_record
+from benchmark.common import command_line, fmt_mean_sd, markdown_table, parse_with_quick, quick_out, write_record
 from eldr_sglang.sim import experiments
 from eldr_sglang.core.policies import make_policy
 from eldr_sglang.sim.simulator import SimConfig, simulate
@@ -32,7 +32,7 @@ METRICS = ("ttft_median_ms", "ttft_p99_ms", "tpot_median_ms", "tpot_p99_ms", "pr
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python benchmark/bench_late_binding.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmark.bench_late_binding", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--waits", default="0.002,0.02,0.1", help="signature waits (s) for late binding")
     ap.add_argument("--rates", default="40,80")

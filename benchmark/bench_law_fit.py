@@ -2,8 +2,8 @@
 laws it fits online from noisy engine step samples, and with the simulator's true law.
 SIMULATED.
 
-    .venv/bin/python benchmark/bench_law_fit.py            # 6 laws x 2 workloads x 2 seeds (~5 CPU-min)
-    .venv/bin/python benchmark/bench_law_fit.py --quick    # smoke run (seconds)
+    .venv/bin/python -m benchmark.bench_law_fit            # 6 laws x 2 workloads x 2 seeds (~5 CPU-min)
+    .venv/bin/python -m benchmark.bench_law_fit --quick    # smoke run (seconds)
 
 The simulator runs one of six step-time laws (the paper-anchored MI300X law, its
 per-expert term x0.25 and x2, its per-sequence terms x4, the law measured on a real
@@ -25,8 +25,8 @@ from typing import Sequence
 
 import numpy as np
 
-import bench_state_aware as grid_bench
-from common import QUICK_OUT, command_line, markdown_table, write_record
+from benchmark import bench_state_aware as grid_bench
+from benchmark.common import QUICK_OUT, command_line, markdown_table, write_record
 from eldr_sglang.core.policies import PolicyContext, build_policy
 from eldr_sglang.core.policies.eldr_balanced import EldrBalancedPolicy
 from eldr_sglang.sim import experiments
@@ -73,7 +73,7 @@ def run(data, routing, acts, cfg: SimConfig, law: CostParams, variant: str) -> t
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python benchmark/bench_law_fit.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmark.bench_law_fit", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--workloads", default="task,language")
     ap.add_argument("--traces-root", type=Path, default=HERE / "traces")

@@ -1,8 +1,8 @@
 """Does the default keep the oracle's locality without giving up balance? SIMULATED.
 
-    .venv/bin/python benchmark/bench_locality.py --quick          # smoke run (< 1 min; .cache/bench-quick/locality)
-    .venv/bin/python benchmark/bench_locality.py --seeds 5        # the figures in RESULTS.md
-    .venv/bin/python benchmark/bench_locality.py --variants 'eldr_balanced:sim_band=none,load_cap=none' ...
+    .venv/bin/python -m benchmark.bench_locality --quick          # smoke run (< 1 min; .cache/bench-quick/locality)
+    .venv/bin/python -m benchmark.bench_locality --seeds 5        # the figures in RESULTS.md
+    .venv/bin/python -m benchmark.bench_locality --variants 'eldr_balanced:sim_band=none,load_cap=none' ...
 
 Every number is SIMULATED (``eldr_sglang/sim/simulator.py`` + ``cost_model.py``, cost set
 ``qwen3-30b-a3b-mi300x``) on the measured expert traces of the tiny trained MoE
@@ -48,8 +48,8 @@ from typing import Sequence
 
 import numpy as np
 
-from common import command_line, markdown_table, quick_out, write_record
-import bench_state_aware as grid_bench
+from benchmark.common import command_line, markdown_table, quick_out, write_record
+from benchmark import bench_state_aware as grid_bench
 from eldr_sglang.core.policies import Policy, PolicyContext, build_policy, least_loaded
 from eldr_sglang.core.policies.eldr import CentroidOwnership
 from eldr_sglang.core.traces import write_traces
@@ -77,7 +77,7 @@ QUICK = dict(k=8, prefill=4, loc_rates=(20.0, 60.0), loc_window=(3.0, 8.0),
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python benchmark/bench_locality.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmark.bench_locality", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="8 decode servers, 1 seed, short windows (< 1 min)")
     ap.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default 3; --quick 1)")
     ap.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),

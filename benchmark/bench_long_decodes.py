@@ -1,7 +1,7 @@
 """Long decodes with recorded per-step expert sets: how wrong is the independence
 approximation, and does ELDR's simulated gain survive replaying the real sets?
 
-    .venv/bin/python benchmark/bench_long_decodes.py [--long benchmark/traces-long] [--seeds 5]
+    .venv/bin/python -m benchmark.bench_long_decodes [--long benchmark/traces-long] [--seeds 5]
 
 Input: ``tools/record_long_decodes.py`` output (``<long>/<workload>/eval``: trace shards
 + ``steps.npz``, the top-k experts of every decode step of every request) and the
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import command_line, fmt_mean_sd, markdown_table, parse_with_quick, quick_out, write_record
+from benchmark.common import command_line, fmt_mean_sd, markdown_table, parse_with_quick, quick_out, write_record
 from eldr_sglang.sim import experiments
 from eldr_sglang.core.policies import make_policy
 from eldr_sglang.core.step_sets import independent_distinct, load_step_experts, true_distinct
@@ -86,7 +86,7 @@ def grouping_gain(rows: list[dict]) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python benchmark/bench_long_decodes.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmark.bench_long_decodes", description=__doc__.split("\n\n")[0])
     ap.add_argument("--long", type=Path, default=HERE / "traces-long")
     ap.add_argument("--traces", type=Path, default=HERE / "traces", help="calibration splits (same model)")
     ap.add_argument("--workloads", default="task,language")

@@ -1,7 +1,7 @@
 """Online calibration vs the static offline artifact and the oracle grouping: SIMULATED.
 
-    .venv/bin/python benchmark/bench_online.py            # 5 seeds (10-20 min of one core)
-    .venv/bin/python benchmark/bench_online.py --quick    # 1 seed, short windows; outputs under .cache/
+    .venv/bin/python -m benchmark.bench_online            # 5 seeds (10-20 min of one core)
+    .venv/bin/python -m benchmark.bench_online --quick    # 1 seed, short windows; outputs under .cache/
 
 Scenarios on the measured traces (``benchmark/traces/{task,language}/{calib,eval}``,
 the tiny 4-layer model; every number SIMULATED by ``eldr_sglang/sim``), 8 prefill
@@ -44,7 +44,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-from common import command_line, fmt_mean_sd, markdown_table, write_record
+from benchmark.common import command_line, fmt_mean_sd, markdown_table, write_record
 from eldr_sglang.core.layer_selection import spread_layers  # noqa: E402
 from eldr_sglang.core.online import OnlineCalibrator, OnlineSettings, run_fit  # noqa: E402
 from eldr_sglang.core.policies import make_policy  # noqa: E402
@@ -60,7 +60,7 @@ TAU = 0.1
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python benchmark/bench_online.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmark.bench_online", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 seed, 20 s phases; outputs under .cache/")
     ap.add_argument("--seeds", type=int, default=None)
     ap.add_argument("--traces", default=str(HERE / "traces"))

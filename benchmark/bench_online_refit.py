@@ -1,6 +1,6 @@
 """Decision latency while an online refit runs (one router process, no network).
 
-    python benchmark/bench_online_refit.py [--signatures 20000] [--servers 24] [--json out.json]
+    python -m benchmark.bench_online_refit [--signatures 20000] [--servers 24] [--json out.json]
 
 A router with ``--online`` holds ``--signatures`` raw signatures (synthetic traces:
 128 experts, top-8, 4 published layers) and an installed fit with K = ``--servers``.
@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from common import parse_with_quick, write_record
+from benchmark.common import parse_with_quick, write_record
 from eldr_sglang.core.online import run_fit
 from eldr_sglang.core.policies import RouteRequest
 from eldr_sglang.core.synthetic import make_synthetic_traces
@@ -93,7 +93,7 @@ async def measure(args, fit_in: str) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python benchmark/bench_online_refit.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmark.bench_online_refit", description=__doc__.split("\n\n")[0])
     ap.add_argument("--signatures", type=int, default=20000)
     ap.add_argument("--servers", type=int, default=24)
     ap.add_argument("--json", default=None)

@@ -13,7 +13,7 @@ rank, the expected distinct experts read in one step (sum over the rank's slots 
 token load, then the cost model's step time (``eldr_sglang/sim/cost_model.py``,
 parameter set ``qwen3-235b-a22b-mi300x-tp4ep4`` by default).
 
-    python benchmark/bench_placement.py [--traces DIR --artifact FILE] [--eval-traces DIR] \\
+    python -m benchmark.bench_placement [--traces DIR --artifact FILE] [--eval-traces DIR] \\
         [--servers 6] [--ep-size 4] [--redundant 0] [--batch-size 32] [--batches 100] [--json out.json]
 
 Without ``--traces`` it generates SYNTHETIC traces (make_synthetic_traces, 128 experts,
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import parse_with_quick, quick_out, write_record
+from benchmark.common import parse_with_quick, quick_out, write_record
 from eldr_sglang import calibrate
 from eldr_sglang.core.artifact import load_artifact
 from eldr_sglang.core.synthetic import make_synthetic_traces

@@ -1,15 +1,15 @@
 """Predicted signatures: holdout accuracy, cost, and SIMULATED early vs late binding.
 
-    .venv/bin/python benchmark/bench_predicted_signatures.py            # full (about 20 min of one core)
-    .venv/bin/python benchmark/bench_predicted_signatures.py --quick    # smoke test (outputs under .cache/)
+    .venv/bin/python -m benchmark.bench_predicted_signatures            # full (about 20 min of one core)
+    .venv/bin/python -m benchmark.bench_predicted_signatures --quick    # smoke test (outputs under .cache/)
 
 Data: traces recorded WITH their prompts' token ids (``tools/record_prompt_traces.py``;
 the committed SGLang traces hold no prompts and a rebuilt corpus does not reproduce
 them)::
 
-    python tools/build_corpus.py --out .cache/corpus
-    python tools/build_workloads.py --corpus .cache/corpus --tokenizer models/eldr-tiny-moe --out .cache/workloads
-    python tools/record_prompt_traces.py --model models/eldr-tiny-moe --workloads .cache/workloads \\
+    python -m tools.build_corpus --out .cache/corpus
+    python -m tools.build_workloads --corpus .cache/corpus --tokenizer models/eldr-tiny-moe --out .cache/workloads
+    python -m tools.record_prompt_traces --model models/eldr-tiny-moe --workloads .cache/workloads \\
         --limit 1000 --out .cache/prompt-traces
 
 1. Accuracy, per model and workload, on the evaluation split (never used to fit): the
@@ -49,7 +49,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from common import command_line, markdown_table, mean_sd, write_record
+from benchmark.common import command_line, markdown_table, mean_sd, write_record
 from eldr_sglang.sim import experiments
 from eldr_sglang.core.artifact import load_artifact
 from eldr_sglang.core.policies import Policy, PolicyContext, RouteRequest, build_policy
@@ -73,7 +73,7 @@ QUICK = dict(rates=(40.0, 100.0), seeds=2, warmup_s=3.0, measure_s=8.0, pairs=2_
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python benchmark/bench_predicted_signatures.py",
+    ap = argparse.ArgumentParser(prog="python -m benchmark.bench_predicted_signatures",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 seeds, 2 rates, 3 s + 8 s windows; outputs under .cache/")
     ap.add_argument("--traces-root", type=Path, default=ROOT / ".cache" / "prompt-traces",

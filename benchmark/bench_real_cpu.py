@@ -9,7 +9,7 @@ interleaved: round r runs every path once, the order rotated by r, so drift of
 this shared machine hits all paths alike. Only the router is restarted between
 runs; the prefill cache is flushed before each::
 
-    python benchmark/bench_real_cpu.py --repeats 3 --json benchmark/results/real_cpu.json
+    python -m benchmark.bench_real_cpu --repeats 3 --json benchmark/results/real_cpu.json
 
 Reported per path: bench_serving's TPOT/TTFT/throughput (median and min-max over
 repeats), distinct experts per decode step overall and AT EQUAL BATCH SIZE (the
@@ -36,8 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import command_line, parse_with_quick, write_record
-from measured import real_cpu_table
+from benchmark.common import command_line, parse_with_quick, write_record
+from benchmark.measured import real_cpu_table
 from eldr_sglang.core.policies import policy_names, policy_spec, reads_artifact
 from eldr_sglang.demo import DEFAULT_MODEL, DEFAULT_WORKLOAD, calibration_artifact, decode_counters
 from eldr_sglang.testing import local_cluster as lc

@@ -1,8 +1,8 @@
 """Router replicas and engine-reported batches: does the default policy keep its gain when
 several routers share the decode servers? SIMULATED.
 
-    .venv/bin/python benchmark/bench_replicas.py                   # 2 workloads x 2 rates x 3 seeds (~10 CPU-min)
-    .venv/bin/python benchmark/bench_replicas.py --quick           # smoke run (seconds)
+    .venv/bin/python -m benchmark.bench_replicas                   # 2 workloads x 2 rates x 3 seeds (~10 CPU-min)
+    .venv/bin/python -m benchmark.bench_replicas --quick           # smoke run (seconds)
 
 Each run replays the measured traces (``benchmark/traces``) through the simulator with
 16 decode servers. R router replicas (1, 2, 4) each take a random share of the
@@ -25,9 +25,9 @@ from typing import Sequence
 
 import numpy as np
 
-import bench_state_aware as grid_bench
-from bench_default_policy import candidate_policy
-from common import QUICK_OUT, command_line, markdown_table, write_record
+from benchmark import bench_state_aware as grid_bench
+from benchmark.bench_default_policy import candidate_policy
+from benchmark.common import QUICK_OUT, command_line, markdown_table, write_record
 from eldr_sglang.core.policies import PolicyContext, build_policy
 from eldr_sglang.sim import experiments
 from eldr_sglang.sim.calibration import prefill_activations
@@ -41,7 +41,7 @@ QUICK = dict(k=8, rates=(40.0,), seeds=1, replicas=(2,), warmup_s=2.0, measure_s
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python benchmark/bench_replicas.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmark.bench_replicas", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one small point; outputs under .cache/")
     ap.add_argument("--workloads", default="task,language")
     ap.add_argument("--seeds", type=int, default=None)

@@ -1,6 +1,6 @@
 """Unmodified ``python -m sglang.bench_serving`` against the ELDR router and sglang-router.
 
-    python benchmark/bench_serving_routers.py [--repeats 3] [--quick]
+    python -m benchmark.bench_serving_routers [--repeats 3] [--quick]
         [--throughput-prompts 2000] [--throughput-concurrency 64] [--latency-prompts 200]
         [--paths eldr,eldr-w2,eldr-rr,sglang-router,direct]
         [--json benchmark/results/bench_serving_routers.json]
@@ -57,7 +57,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
-from common import free_port, parse_with_quick, quick_out, write_record
+from benchmark.common import free_port, parse_with_quick, quick_out, write_record
 from eldr_sglang.router.metrics import histogram_quantiles
 from eldr_sglang.testing.local_cluster import sglang_router_argv
 from eldr_sglang.testing.toy_artifact import save_toy_artifact
@@ -446,7 +446,7 @@ def main(argv: Optional[list[str]] = None) -> int:
            "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     t_start = time.monotonic()
     doc: dict[str, Any] = {
-        "command": shlex.join([PY, "benchmark/bench_serving_routers.py",
+        "command": shlex.join([PY, "-m", "benchmark.bench_serving_routers",
                                *(sys.argv[1:] if argv is None else argv)]),
         "argv": sys.argv if argv is None else argv,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

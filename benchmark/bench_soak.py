@@ -2,7 +2,7 @@
 
 ::
 
-    python benchmark/bench_soak.py [--duration 180] [--clients 12] [--event-loop auto|asyncio|uvloop] [--quick]
+    python -m benchmark.bench_soak [--duration 180] [--clients 12] [--event-loop auto|asyncio|uvloop] [--quick]
 
 The router runs in its own process (``python -m eldr_sglang.router``, a signature key,
 the TCP signature port, ``--policy eldr`` on a toy artifact); one prefill and three
@@ -49,7 +49,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from common import QUICK_OUT, RESULTS, free_port
+from benchmark.common import QUICK_OUT, RESULTS, free_port
 from eldr_sglang.core import wire
 from eldr_sglang.testing.stub_worker import StubWorker, topic_counts
 from eldr_sglang.testing.toy_artifact import save_toy_artifact

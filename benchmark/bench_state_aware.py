@@ -1,9 +1,9 @@
 """State-aware decode routing vs ELDR and the baselines: SIMULATED sweep.
 
-    .venv/bin/python benchmark/bench_state_aware.py            # full grid (about 35 min of one core)
-    .venv/bin/python benchmark/bench_state_aware.py --quick    # smoke test (< 3 min; outputs under .cache/)
-    .venv/bin/python benchmark/bench_state_aware.py --resume   # keep the points already in the JSON
-    .venv/bin/python benchmark/bench_state_aware.py --render-only   # rewrite the markdown from the JSON
+    .venv/bin/python -m benchmark.bench_state_aware            # full grid (about 35 min of one core)
+    .venv/bin/python -m benchmark.bench_state_aware --quick    # smoke test (< 3 min; outputs under .cache/)
+    .venv/bin/python -m benchmark.bench_state_aware --resume   # keep the points already in the JSON
+    .venv/bin/python -m benchmark.bench_state_aware --render-only   # rewrite the markdown from the JSON
 
 Grid: workloads task and language (measured traces under ``benchmark/traces``),
 decode servers K in {8, 16, 24} with 8 prefill servers (as ``benchmark/report.py``'s
@@ -41,7 +41,7 @@ from typing import Sequence
 
 import numpy as np
 
-from common import markdown_table, mean_sd, write_record
+from benchmark.common import markdown_table, mean_sd, write_record
 from eldr_sglang.sim import experiments
 from eldr_sglang.core.policies import PolicyContext, build_policy
 from eldr_sglang.sim.calibration import prefill_activations
@@ -64,7 +64,7 @@ GOODPUT_FACTOR = 1.25
 
 # -- arguments ----------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python benchmark/bench_state_aware.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmark.bench_state_aware", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true",
                     help="tiny grid (K=8, 20 and 80 req/s, 2 seeds, 3 s + 8 s windows); outputs under .cache/")
     ap.add_argument("--resume", action="store_true", help="keep the runs already in the JSON, run the rest")
@@ -547,7 +547,7 @@ def verdict_text(doc: dict, dec: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     argv_list = list(argv if argv is not None else sys.argv[1:])
-    command = (".venv/bin/python benchmark/bench_state_aware.py " + " ".join(shlex.quote(x) for x in argv_list)).strip()
+    command = (".venv/bin/python -m benchmark.bench_state_aware " + " ".join(shlex.quote(x) for x in argv_list)).strip()
     settings = settings_of(a)
     grid = {"workloads": a.workload_list, "pools": list(a.pool_list), "rates": list(a.rate_list),
             "seeds": list(a.seed_list), "policies": list(POLICIES)}

@@ -1,7 +1,7 @@
 """Furniture shared by the benchmark scripts: recording a run, mean ± sd, markdown tables, timing, ports.
 
-Scripts are run as ``python benchmark/<script>.py`` (this folder is then on
-``sys.path``), so they import it as ``from common import ...``.
+Scripts are run as ``python -m benchmark.<script>`` from the repository root and import it as
+``from benchmark.common import ...``.
 """
 
 from __future__ import annotations
@@ -78,9 +78,10 @@ def quick_out(name: str) -> Path:
 
 # ------------------------------------------------------------------ recording a run
 def command_line(script: str | os.PathLike, argv: Sequence[str] | None = None) -> str:
-    """The command that reruns a benchmark: ``python benchmark/<script> <args>`` (args default: ``sys.argv[1:]``)."""
+    """The command that reruns a benchmark: ``python -m benchmark.<script> <args>`` (``script``: its file or
+    module name; args default: ``sys.argv[1:]``)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    return " ".join(["python", f"benchmark/{Path(script).name}", *map(shlex.quote, args)])
+    return " ".join(["python", "-m", f"benchmark.{Path(script).stem}", *map(shlex.quote, args)])
 
 
 def machine_facts() -> dict[str, Any]:

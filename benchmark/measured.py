@@ -40,7 +40,7 @@ def trace_section(traces_root: Path, workloads: list[str]) -> list[str]:
     if not rows:
         return []
     return ["## MEASURED: expert traces of the trained tiny MoE\n",
-            "Real SGLang CPU server in the plugin's trace mode (`python tools/trace_workloads.py`), evaluation "
+            "Real SGLang CPU server in the plugin's trace mode (`python -m tools.trace_workloads`), evaluation "
             "sets. Paper: Pearson 0.70-0.92 over three models; IDF-weighted counts mean Spearman 0.76 against "
             "0.62 for gate probabilities; same-kind batches of a real model activate fewer distinct experts.\n",
             "| workload | requests | prefill/decode Pearson | Spearman, IDF counts | Spearman, gate probs "
@@ -161,7 +161,7 @@ def state_aware_section(results_dir: Path) -> list[str]:
     text = path.read_text()
     verdict = text.split("## Verdict", 1)[1].split("\n## ", 1)[0].strip() if "## Verdict" in text else ""
     return ["", "## State-aware policy vs ELDR (SIMULATED)", "",
-            "`python benchmark/bench_state_aware.py` (2 workloads x 8/16/24 decode servers x 20-100 req/s "
+            "`python -m benchmark.bench_state_aware` (2 workloads x 8/16/24 decode servers x 20-100 req/s "
             "x 5 seeds x 6 policies; every table, the goodput and the decision rule: "
             "[results/state_aware.md](results/state_aware.md)).", "", verdict]
 

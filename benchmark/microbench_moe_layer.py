@@ -1,6 +1,6 @@
 """Measure one MoE layer's time against the number of distinct experts its batch uses.
 
-    python benchmark/microbench_moe_layer.py [--device cpu|cuda] [--hidden 2048 --ffn 768]
+    python -m benchmark.microbench_moe_layer [--device cpu|cuda] [--hidden 2048 --ffn 768]
         [--experts 128 --top-k 8] [--batches 32,128] [--unique 8,16,32,64,128] [--json out.json]
 
 A decode-style layer: the batch's routing is built so that exactly ``u`` distinct
@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Sequence
 
-from common import parse_with_quick, positive_int_list, write_record
+from benchmark.common import parse_with_quick, positive_int_list, write_record
 
 
 

@@ -1,7 +1,7 @@
 """Regenerate benchmark/RESULTS.md and its plots: SIMULATED paper-scale evaluation.
 
-    python benchmark/report.py            # full configuration (8P16D, 20-100 req/s, 20 s + 60 s, goodput to 600 req/s)
-    python benchmark/report.py --quick    # tiny configuration (seconds; outputs under .cache/bench-quick/report)
+    python -m benchmark.report            # full configuration (8P16D, 20-100 req/s, 20 s + 60 s, goodput to 600 req/s)
+    python -m benchmark.report --quick    # tiny configuration (seconds; outputs under .cache/bench-quick/report)
 
 Runs the MoE-layer microbenchmark (measured, on this machine's CPU), the sweeps of
 ``eldr_sglang/sim/experiments.py`` on the discrete-event simulator (simulated), and writes
@@ -25,8 +25,8 @@ from typing import Sequence
 
 import numpy as np
 
-from common import markdown_table, mean_sd, quick_out, write_record
-import measured
+from benchmark.common import markdown_table, mean_sd, quick_out, write_record
+from benchmark import measured
 from eldr_sglang.sim import experiments
 from eldr_sglang.sim.cost_model import (PAPER_EXPERT_RATIO, PARAM_SETS, get_params,
                                         moe_layer_time)
@@ -48,7 +48,7 @@ POLICY_STYLE = {"random": ":", "round_robin": "--", "jsq": "-.", "p2c": ":", "do
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python benchmark/report.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmark.report", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny configuration (seconds)")
     ap.add_argument("--traces-root", type=Path, default=HERE / "traces",
                     help="holds <workload>/{calib,eval}/ trace sets; synthetic traces when missing")
@@ -105,11 +105,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 # -- running ------------------------------------------------------------------------------------------------
 def run_microbench(quick: bool, out: Path) -> dict:
-    cmd = [sys.executable, str(HERE / "microbench_moe_layer.py"), "--device", "cpu", "--threads", "1", "--json", str(out)]
+    cmd = [sys.executable, "-m", "benchmark.microbench_moe_layer", "--device", "cpu", "--threads", "1",
+           "--json", str(out.resolve())]
     cmd += (["--hidden", "128", "--ffn", "64", "--experts", "32", "--top-k", "4", "--unique", "4,8,16,32",
              "--repeats", "3"] if quick else
             ["--hidden", "512", "--ffn", "256", "--unique", "8,16,32,64,96,128", "--repeats", "10"])
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=HERE.parent)
     data = json.loads(out.read_text())
     data["command"] = "python " + " ".join(shlex.quote(c) for c in cmd[1:]).replace(str(HERE.parent) + "/", "")
     return data
@@ -431,7 +432,7 @@ def render(args, sweep, runs, info, microbenches, plot_files, command) -> str:
       "p = decode_counts / decode steps; a batch's distinct experts per layer is the **expected union under "
       "independence**, sum_e (1 - prod_r (1 - p_re)); that approximation is measured against recorded "
       "per-step sets of 300-step decodes in `benchmark/results/long_decodes.md` "
-      "(`python benchmark/bench_long_decodes.py`)")
+      "(`python -m benchmark.bench_long_decodes`)")
     w(f"- spread: every figure is the mean over {len(sweep.seeds)} seed(s); each seed draws its own arrivals AND "
       "its own calibration (K-means seed); `±` is the sd over seeds, gains are computed within a seed")
     w("- trace layers -> target layers: each trace layer's distinct-expert **fraction** of its pool is applied "
@@ -496,7 +497,7 @@ def render(args, sweep, runs, info, microbenches, plot_files, command) -> str:
 
     default_json = args.out_dir / "results" / "default_policy.json"
     if default_json.is_file():
-        import bench_default_policy
+        from benchmark import bench_default_policy
 
         doc = json.loads(default_json.read_text())
         doc["decision"] = bench_default_policy.decide(doc["runs"], doc["grid"], doc["grid"]["workloads"])
@@ -652,7 +653,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     work_ctx = tempfile.TemporaryDirectory(prefix="eldr-report-") if args.work_dir is None else None
     work_dir = Path(work_ctx.name) if work_ctx else args.work_dir
     work_dir.mkdir(parents=True, exist_ok=True)
-    command = (".venv/bin/python benchmark/report.py "
+    command = (".venv/bin/python -m benchmark.report "
                + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))).strip()
     try:
         if args.from_runs is not None:

@@ -12,14 +12,14 @@ TP / DP). The table lives only on the first rank of each attention group (the on
 that publishes), so the share below is that GPU's: its table bytes over its KV
 bytes per token; the other ranks hold none.
 
-    python benchmark/signature_memory.py
+    python -m benchmark.signature_memory
 """
 
 from __future__ import annotations
 
 import argparse
 
-from common import parse_with_quick
+from benchmark.common import parse_with_quick
 from eldr_sglang.radix_signature import ExpertSlotTable, kv_bytes_per_token
 
 MODELS = {  # name: (layers, kv_heads, head_dim, experts, top_k)

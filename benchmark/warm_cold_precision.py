@@ -1,6 +1,6 @@
 """Warm (prefix-cache hit) vs cold signatures on a real SGLang CPU server, per dtype.
 
-    python benchmark/warm_cold_precision.py [--prompts 8] [--tokens 500] [--dtypes bfloat16 float32]
+    python -m benchmark.warm_cold_precision [--prompts 8] [--tokens 500] [--dtypes bfloat16 float32]
 
 For each dtype one plain server of the trained tiny MoE (``--eldr-layers all``)
 serves every prompt three times: ``flush_cache``; the first 60% of the prompt
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import parse_with_quick, write_record
+from benchmark.common import parse_with_quick, write_record
 from eldr_sglang.testing import local_cluster as lc
 
 HERE = Path(__file__).resolve().parent
@@ -66,7 +66,7 @@ def measure(model: Path, dtype: str, prompts: list[list[int]], log_dir: Path) ->
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python benchmark/warm_cold_precision.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmark.warm_cold_precision", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(ROOT / "models" / "eldr-tiny-moe"))
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=500)

@@ -34,8 +34,8 @@ def fixture_model() -> Path:
     """The tiny random Qwen3-MoE (4 layers, 16 experts, top-4), built if missing."""
     if not (MODEL_DIR / "model.safetensors").exists():
         subprocess.run(
-            [sys.executable, str(ROOT / "tools" / "make_fixture_model.py"), "--out", str(MODEL_DIR)],
-            check=True,
+            [sys.executable, "-m", "tools.make_fixture_model", "--out", str(MODEL_DIR)],
+            check=True, cwd=ROOT,
         )
     return MODEL_DIR
 

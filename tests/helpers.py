@@ -1,5 +1,5 @@
-"""Helpers shared by the test packages and ``tests/conftest.py``: the repository root,
-loading a benchmark/ or tools/ script (not a package) as a module, waiting for a
+"""Helpers shared by the test packages and ``tests/conftest.py``: the repository root
+(benchmark/ and tools/ are packages there: ``from benchmark import report``), waiting for a
 condition (``until``, ``wait_until``), and the real-server session state (log
 folder, started processes, greedy generation, bench_serving)."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,7 +15,6 @@ import time
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 
 from eldr_sglang.testing import local_cluster as lc
 from eldr_sglang.testing.local_cluster import http_json
@@ -31,14 +29,6 @@ started: list[lc.ManagedProcess] = []
 #: layers the shared cluster's test artifact (and the single server) capture
 TEST_ARTIFACT_LAYERS = [1, 3]
 GREEDY_NEW_TOKENS = 12
-
-
-def load_script(relative_path: str, name: str) -> ModuleType:
-    """Import a benchmark/ or tools/ script (not a package) as a module."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / relative_path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 async def until(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 30.0,

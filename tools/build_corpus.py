@@ -5,8 +5,8 @@ model or dataset hub. Each document is labelled by (domain, language), cleaned,
 deduplicated and written as JSON lines with a manifest of sources, sizes and
 licences::
 
-    python tools/build_corpus.py --out .cache/corpus            # all sources
-    python tools/build_corpus.py --out /tmp/c --max-docs 50     # a small slice
+    python -m tools.build_corpus --out .cache/corpus            # all sources
+    python -m tools.build_corpus --out /tmp/c --max-docs 50     # a small slice
 
 Output: ``docs.jsonl`` (``id``, ``group``, ``source``, ``domain``, ``language``,
 ``synthetic``, ``text``; ``group`` = the source document a chunk came from, so

@@ -13,7 +13,7 @@ is written twice: our format (``<set>.jsonl``: id, prompt, output_len, labels) a
 user turn and an assistant turn of ``output_len`` tokens, the document's own
 continuation)::
 
-    python tools/build_workloads.py --corpus .cache/corpus --tokenizer models/eldr-tiny-moe \
+    python -m tools.build_workloads --corpus .cache/corpus --tokenizer models/eldr-tiny-moe \
         --out benchmark/workloads --requests 3000
 """
 
@@ -27,8 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules of tools/
-from corpus import cell, load_corpus  # noqa: E402
+from tools.corpus import cell, load_corpus
 
 TASK_SHARES = {"code": 0.29, "medical": 0.26, "math": 0.24, "legal": 0.205}
 LANGUAGE_SHARES = {"en": 0.45, "zh": 0.30, "ru": 0.13, "fr": 0.12}
@@ -153,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     splits = {name: load_corpus(args.corpus, split=name, seed=args.seed) for name in ("calib", "eval")}
     system_prompts = [r["text"] for r in load_corpus(args.corpus, split="train", seed=args.seed)
                       if r["source"] == "dataset-build" and r["language"] == "en"][:SHARED_PROMPTS]
-    manifest: dict = {"command": "python tools/build_workloads.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    manifest: dict = {"command": "python -m tools.build_workloads " + " ".join(argv if argv is not None else sys.argv[1:]),
                       "shares": {"task": TASK_SHARES, "language": LANGUAGE_SHARES}, "sets": {}}
     eval_sets: dict[str, list[dict]] = {}
     for workload in ("task", "language"):

@@ -29,7 +29,7 @@ def load_corpus(path: str | Path, split: str | None = None, seed: int = 0) -> li
     """Rows of ``docs.jsonl`` (optionally one split only)."""
     file = Path(path) / "docs.jsonl"
     if not file.exists():
-        raise FileNotFoundError(f"{file}: no corpus here (build it: python tools/build_corpus.py --out {path})")
+        raise FileNotFoundError(f"{file}: no corpus here (build it: python -m tools.build_corpus --out {path})")
     with open(file, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f]
     return [r for r in rows if split is None or split_of(r["group"], seed) == split]

@@ -7,8 +7,8 @@ scatter and decode statistics eagerly, and checks everything equals the eager
 path. Then it times the capture against a bf16 MoE layer forward (gate, top-k,
 expert SwiGLU GEMMs over the routed tokens).
 
-    python tools/gpu_capture_check.py                      # GPU, realistic sizes
-    python tools/gpu_capture_check.py --device cpu --small  # dry run: the code path, no graph
+    python -m tools.gpu_capture_check                      # GPU, realistic sizes
+    python -m tools.gpu_capture_check --device cpu --small  # dry run: the code path, no graph
 
 Sizes: an 8k-token extend over 48 layers with top-8 of 128 experts (4 published
 layers scattered to the KV-slot table) and a decode batch of 256 (every layer
@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from eldr_sglang.radix_signature.staging import ExpertStage, mark_distinct, scatter_rows  # noqa: E402
+from eldr_sglang.radix_signature.staging import ExpertStage, mark_distinct, scatter_rows
 
 
 @dataclass

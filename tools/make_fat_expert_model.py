@@ -9,7 +9,7 @@ weights grow by ``W / I``: a decode step then reads ``3 * hidden * W`` weights p
 distinct expert per layer, as on a GPU serving a large MoE. Written outside git
 and rebuilt in seconds::
 
-    python tools/make_fat_expert_model.py --model models/eldr-tiny-moe --width 4096 \\
+    python -m tools.make_fat_expert_model --model models/eldr-tiny-moe --width 4096 \\
         --out .cache/models/eldr-tiny-moe-fat4096
 """
 

@@ -4,7 +4,7 @@ SGLang loads it on CPU. The tokenizer is the SentencePiece model that ships in
 the ``mistral_common`` wheel (32k vocab), so nothing is downloaded.
 Deterministic for a seed: the same arguments give byte-identical weights.
 
-    python tools/make_fixture_model.py --out .cache/models/tiny-qwen3-moe
+    python -m tools.make_fixture_model --out .cache/models/tiny-qwen3-moe
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ steps saw). Output, per set, under ``--out/<set>/``:
 
 ::
 
-    python tools/record_long_decodes.py --model models/eldr-moe-12l --sets task/eval language/eval \\
+    python -m tools.record_long_decodes --model models/eldr-moe-12l --sets task/eval language/eval \\
         --limit 192 --decode-steps 300 --out benchmark/traces-long
 """
 
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model.config
     spec = ModelSpec(name=args.model.name, num_layers=cfg.num_hidden_layers, num_experts=cfg.num_experts,
                      top_k=cfg.num_experts_per_tok)
-    info = {"command": "python tools/record_long_decodes.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    info = {"command": "python -m tools.record_long_decodes " + " ".join(argv if argv is not None else sys.argv[1:]),
             "model": str(args.model), "decode_steps": args.decode_steps, "sets": {}}
     for name in args.sets:
         with open(args.workloads / f"{name}.jsonl", encoding="utf-8") as f:

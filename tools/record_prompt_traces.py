@@ -15,7 +15,7 @@ Output per set under ``--out/<set>/``: trace shards (``eldr_sglang.core.traces``
 ``steps.npz`` (per-step expert ids, as ``tools/record_long_decodes.py``) and
 ``prompts.jsonl`` (``id``, ``input_ids``)::
 
-    python tools/record_prompt_traces.py --model models/eldr-tiny-moe --workloads .cache/workloads \\
+    python -m tools.record_prompt_traces --model models/eldr-tiny-moe --workloads .cache/workloads \\
         --sets task/calib task/eval language/calib language/eval --limit 1000 --out .cache/prompt-traces
 """
 
@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for s in args.sets:
         for suffix in (".jsonl", ".bench.jsonl"):
             if not (args.workloads / f"{s}{suffix}").exists():
-                p.error(f"--sets: {args.workloads / (s + suffix)} not found (python tools/build_workloads.py)")
+                p.error(f"--sets: {args.workloads / (s + suffix)} not found (python -m tools.build_workloads)")
     return args
 
 
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model.config
     spec = ModelSpec(name=args.model.name, num_layers=cfg.num_hidden_layers, num_experts=cfg.num_experts,
                      top_k=cfg.num_experts_per_tok)
-    info = {"command": "python tools/record_prompt_traces.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    info = {"command": "python -m tools.record_prompt_traces " + " ".join(argv if argv is not None else sys.argv[1:]),
             "model": str(args.model), "decode_steps": args.decode_steps, "sets": {}}
     for name in args.sets:
         t0 = time.time()

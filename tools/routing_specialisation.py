@@ -10,7 +10,7 @@ computed without it), over all layers and for every layer alone. Also
 the paper's Pearson correlation between a request's prefill and decode expert
 activation (greedy decode of ``--decode-tokens`` tokens)::
 
-    python tools/routing_specialisation.py --model models/eldr-tiny-moe --corpus .cache/corpus
+    python -m tools.routing_specialisation --model models/eldr-tiny-moe --corpus .cache/corpus
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules of tools/
-from corpus import cell, load_corpus  # noqa: E402
-from eldr_sglang.core.signature import SignatureBuilder  # noqa: E402
+from tools.corpus import cell, load_corpus
+from eldr_sglang.core.signature import SignatureBuilder
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -177,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     trained = Qwen3MoeForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32).eval()
     torch.manual_seed(args.seed)
     untrained = Qwen3MoeForCausalLM(AutoConfig.from_pretrained(args.model)).float().eval()
-    results = {"command": "python tools/routing_specialisation.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    results = {"command": "python -m tools.routing_specialisation " + " ".join(argv if argv is not None else sys.argv[1:]),
                "trained": evaluate(trained, tokenizer, calib, evalset, args),
                "untrained": evaluate(untrained, tokenizer, calib, evalset, args),
                "chance": {"language": 1 / len({d["language"] for d in calib}),

@@ -5,7 +5,7 @@ Starts ``python -m sglang.launch_server`` with the engine plugin's trace mode
 ``/generate`` (greedy, ``--max-new-tokens`` cap, batched and concurrent), then
 joins the server's trace logs into one trace set per workload set::
 
-    python tools/trace_workloads.py --model models/eldr-tiny-moe --workloads benchmark/workloads \
+    python -m tools.trace_workloads --model models/eldr-tiny-moe --workloads benchmark/workloads \
         --sets task/calib task/eval language/calib language/eval --out benchmark/traces
 
 Decode counts cover the decode steps the server ran (``output_tokens - 1``: the
@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--model: no config.json in {args.model}")
     for s in args.sets:
         if not (args.workloads / f"{s}.jsonl").exists():
-            p.error(f"--sets: {args.workloads / (s + '.jsonl')} not found (build it: python tools/build_workloads.py)")
+            p.error(f"--sets: {args.workloads / (s + '.jsonl')} not found (build it: python -m tools.build_workloads)")
     if args.max_new_tokens < 2 or args.batch < 1 or args.concurrency < 1:
         p.error("--max-new-tokens must be >= 2, --batch and --concurrency >= 1")
     return args
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {n}/{len(reqs)} trace records -> {out} ({timings[name]} s)")
         if n < len(reqs):
             print(f"  warning: {len(reqs) - n} requests have no complete trace", file=sys.stderr)
-    info = {"command": "python tools/trace_workloads.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    info = {"command": "python -m tools.trace_workloads " + " ".join(argv if argv is not None else sys.argv[1:]),
             "model": str(args.model), "seconds_per_set": timings, "wall_s": round(time.time() - t0, 1),
             "max_new_tokens": args.max_new_tokens}
     args.out.mkdir(parents=True, exist_ok=True)

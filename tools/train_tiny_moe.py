@@ -7,10 +7,10 @@ small so it trains on two CPU cores. Only the corpus' ``train`` split is used
 cells and each sequence packs documents of one cell. The result is a Hugging Face
 checkpoint (bf16 safetensors + tokenizer) that SGLang and transformers load::
 
-    python tools/train_tiny_moe.py --corpus .cache/corpus --out models/eldr-tiny-moe --minutes 40
-    python tools/train_tiny_moe.py --corpus .cache/corpus --out models/eldr-moe-12l --layers 12 \
+    python -m tools.train_tiny_moe --corpus .cache/corpus --out models/eldr-tiny-moe --minutes 40
+    python -m tools.train_tiny_moe --corpus .cache/corpus --out models/eldr-moe-12l --layers 12 \
         --expert-ffn 32 --tokenizer models/eldr-tiny-moe --minutes 60       # deeper, same tokenizer
-    python tools/train_tiny_moe.py --corpus .cache/corpus --out models/eldr-tiny-moe \
+    python -m tools.train_tiny_moe --corpus .cache/corpus --out models/eldr-tiny-moe \
         --resume models/eldr-tiny-moe --minutes 15 --lr 2e-3      # continue (fresh optimizer)
 """
 
@@ -27,8 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules of tools/
-from corpus import cell, load_corpus  # noqa: E402
+from tools.corpus import cell, load_corpus
 
 SPECIAL = ["<pad>", "<s>", "</s>"]
 
@@ -145,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tokenizer {len(tokenizer)} tokens; windows per cell: "
           + ", ".join(f"{c}={len(w)}" for c, w in windows.items()) + f" ({time.time() - t0:.0f}s)", flush=True)
 
-    command = "python tools/train_tiny_moe.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m tools.train_tiny_moe " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.resume:
         model = Qwen3MoeForCausalLM.from_pretrained(args.resume, dtype=torch.float32)
         log = json.loads((args.resume / "training.json").read_text())

@@ -138,7 +138,7 @@ def _qwen3_235b_tp4ep4(name: str, peak_bw: float) -> CostParams:
 #: ``real-cpu-server``: least squares of decode step time on (1, batch size, distinct experts
 #: summed over layers) over every step of one real SGLang CPU server on the fat-expert model
 #: (``benchmark/results/fat_expert.json``, ``step_time_fit``; rerun with
-#: ``flock /tmp/eldr-sglang.lock python benchmark/bench_fat_expert.py --repeats 4 --threads 1``).
+#: ``flock /tmp/eldr-sglang.lock python -m benchmark.bench_fat_expert --repeats 4 --threads 1``).
 REAL_CPU_FIT = {"fixed_s": 15.4457e-3, "per_sequence_s": 2.45912e-3, "per_distinct_expert_s": 0.732446e-3}
 FAT_EXPERT_WIDTH = 4096  # tools/make_fat_expert_model.py --width
 

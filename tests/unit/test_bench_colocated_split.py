@@ -2,12 +2,9 @@
 request stream holds, and every request is on one side."""
 
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmark"))
-from bench_colocated_real import split_workload  # noqa: E402
+from benchmark.bench_colocated_real import split_workload
 
 
 def write_workload(tmp_path: Path, docs: list[str]) -> Path:

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-import common
+from benchmark import common
 
 
 def test_mean_sd_is_the_sample_sd_and_zero_for_one_value():
@@ -29,11 +29,11 @@ def test_write_record_puts_command_time_and_machine_first(tmp_path):
     common.write_record(path, {"rows": [1], "recorded_at": "old"}, ["--seeds", "2", "a b"], script="bench_x.py")
     doc = json.loads(path.read_text())
     assert list(doc)[:3] == ["command", "recorded_at", "machine"] and doc["rows"] == [1]
-    assert doc["command"] == "python benchmark/bench_x.py --seeds 2 'a b'" and doc["recorded_at"] != "old"
+    assert doc["command"] == "python -m benchmark.bench_x --seeds 2 'a b'" and doc["recorded_at"] != "old"
     assert doc["machine"]["cpus"] >= 1
-    common.write_record(path, {"command": "python benchmark/bench_y.py", "x": path})
+    common.write_record(path, {"command": "python -m benchmark.bench_y", "x": path})
     doc = json.loads(path.read_text())
-    assert doc["command"] == "python benchmark/bench_y.py" and doc["x"] == str(path)
+    assert doc["command"] == "python -m benchmark.bench_y" and doc["x"] == str(path)
     assert not list(tmp_path.glob("sub/*.tmp"))
 
 

@@ -58,7 +58,8 @@ COVERED_ELSEWHERE = {"bench_default_policy.py"}  # tests/unit/test_sim_report.py
 
 def run_quick(script: str, extra: list[str], out: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "ELDR_BENCH_QUICK_OUT": str(out)}
-    return subprocess.run([sys.executable, str(BENCH / script), "--quick", *extra], cwd=ROOT, env=env,
+    module = f"benchmark.{Path(script).stem}"
+    return subprocess.run([sys.executable, "-m", module, "--quick", *extra], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
 

@@ -12,12 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
+from tools import build_corpus, build_workloads
+from tools.corpus import cell, load_corpus, split_of
 
-import build_corpus  # noqa: E402
-import build_workloads  # noqa: E402
-from corpus import cell, load_corpus, split_of  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 MODEL = ROOT / "models" / "eldr-tiny-moe"
 
@@ -157,6 +155,6 @@ def test_committed_traces_load_with_consistent_shapes(name):
 
 
 def test_trainer_cli_rejects_bad_flags():
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "train_tiny_moe.py"), "--out", "/tmp/x",
-                           "--top-k", "9", "--experts", "8"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "tools.train_tiny_moe", "--out", "/tmp/x",
+                           "--top-k", "9", "--experts", "8"], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and "--top-k" in proc.stderr and "Traceback" not in proc.stderr

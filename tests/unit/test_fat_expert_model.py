@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tools import make_fat_expert_model as fat
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-import make_fat_expert_model as fat  # noqa: E402
 
 MODEL = ROOT / "models" / "eldr-tiny-moe"
 WORKLOAD = ROOT / "benchmark" / "workloads" / "demo.jsonl"
@@ -98,8 +98,8 @@ def test_widen_refuses_a_model_without_experts():
 
 
 def test_cli_rejects_a_narrower_width(tmp_path: Path):
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "make_fat_expert_model.py"), "--model", str(MODEL),
-                           "--width", "16", "--out", str(tmp_path / "x")], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "tools.make_fat_expert_model", "--model", str(MODEL),
+                           "--width", "16", "--out", str(tmp_path / "x")], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2
     assert "--width" in proc.stderr and "Traceback" not in proc.stderr
 

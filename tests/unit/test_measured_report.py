@@ -2,15 +2,12 @@
 
 import json
 
-from tests.helpers import ROOT, load_script
-
-
-def load_measured():
-    return load_script("benchmark/measured.py", "eldr_measured")
+from benchmark import bench_real_cpu as bench
+from benchmark import measured
+from tests.helpers import ROOT
 
 
 def test_trace_section_is_computed_from_the_traces(tmp_path):
-    measured = load_measured()
     lines = measured.trace_section(ROOT / "benchmark" / "traces", ["task"])
     (row,) = [line for line in lines if line.startswith("| task |")]
     cells = [c.strip() for c in row.strip("|").split("|")]
@@ -20,8 +17,6 @@ def test_trace_section_is_computed_from_the_traces(tmp_path):
 
 
 def test_real_cpu_section_reads_the_benchmark_json(tmp_path):
-    measured = load_measured()
-    bench = load_script("benchmark/bench_real_cpu.py", "eldr_bench_real_cpu")
     # two rounds of two paths; every step: [batch size, distinct experts, forward ms]
     rows = []
     for rnd in range(2):
@@ -32,7 +27,7 @@ def test_real_cpu_section_reads_the_benchmark_json(tmp_path):
                          "output_throughput": 7.0, "distinct_experts_per_step": 60.0 + extra, "mean_batch": 2.0,
                          "token_max_over_mean": 1.1, "steps": steps})
     base = "eldr-router/round_robin"
-    result = {"command": "python benchmark/bench_real_cpu.py", "decodes": 3, "dataset": "d.jsonl", "num_prompts": 8,
+    result = {"command": "python -m benchmark.bench_real_cpu", "decodes": 3, "dataset": "d.jsonl", "num_prompts": 8,
               "output_len": 24, "request_rate": 4.0, "repeats": 2, "measured": "real servers",
               "summary": bench.summarise(rows), "equal_batch_base": base, "equal_batch": bench.equal_batch(rows, base),
               "step_time_fit": bench.step_time_fit(rows), "runs": rows}
@@ -49,13 +44,12 @@ def test_real_cpu_section_reads_the_benchmark_json(tmp_path):
 
 
 def test_specialisation_section_lists_each_model_per_layer(tmp_path):
-    measured = load_measured()
     for name, n in (("a", 2), ("b", 3)):
         (tmp_path / name).mkdir()
         res = {k: {"accuracy_language": 0.5, "accuracy_domain": 0.4, "accuracy_cell": 0.3, "eval_docs": 10,
                    "prefill_decode_pearson": 0.7, "per_layer": {"language": [0.1] * n, "domain": [0.2] * n}}
                for k in ("trained", "untrained")}
-        res.update(command=f"python tools/routing_specialisation.py --model {name}",
+        res.update(command=f"python -m tools.routing_specialisation --model {name}",
                    chance={"language": 0.25, "domain": 0.2, "cell": 0.1})
         (tmp_path / name / "specialisation.json").write_text(json.dumps(res))
     text = "\n".join(measured.specialisation_section([tmp_path / "a", tmp_path / "b"]))
@@ -67,7 +61,6 @@ def test_specialisation_section_lists_each_model_per_layer(tmp_path):
 def test_real_cpu_core_lists_are_checked_before_anything_starts(capsys):
     import pytest
 
-    bench = load_script("benchmark/bench_real_cpu.py", "eldr_bench_real_cpu")
     assert bench.cpu_list_ok("0", 2) and bench.cpu_list_ok("0-1", 2) and bench.cpu_list_ok("1,0", 2)
     for bad in ("2", "1-0", "a", "", "0,,1", "-1"):
         assert not bench.cpu_list_ok(bad, 2), bad
@@ -77,7 +70,6 @@ def test_real_cpu_core_lists_are_checked_before_anything_starts(capsys):
 
 
 def test_fat_pd_reading_says_when_the_fit_does_not_explain_step_time():
-    measured = load_measured()
     runs = [{"router": "a", "steps": [[1, 10, 100.0], [2, 20, 300.0]]}, {"router": "b", "steps": [[1, 10, None]]}]
     low = measured.forward_time_reading({"runs": runs, "step_time_fit": {"r2": 0.06}})
     assert low[0] == "Decode forward time per step, all rounds: a mean 200 ms, P99 100 ms."

@@ -140,20 +140,20 @@ def test_optimize_cli_writes_files_sglang_parses_identically(calibrated):
     with pytest.raises(ValueError, match="physical experts per layer"):
         parse_with_sglang(str(work / "model"), files[:1], ep_size=4, num_redundant=0)
 
-    # docs/DEPLOY.md: python -m eldr_sglang.placement verify ... and tools/place_experts.py
+    # docs/DEPLOY.md: python -m eldr_sglang.placement verify ... and python -m tools.place_experts
     ok = run_cli("-m", "eldr_sglang.placement", "verify", "--model-path", str(work / "model"),
                  "--ep-size", "4", "--redundant", "4", str(out))
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.count("ok ") == 3
-    bad = run_cli("tools/place_experts.py", "optimize", "--artifact", str(work / "artifact.json"),
+    bad = run_cli("-m", "tools.place_experts", "optimize", "--artifact", str(work / "artifact.json"),
                   "--traces", str(work / "traces"), "--ep-size", "3", "--out", str(work / "bad"))
     assert bad.returncode == 2 and "not divisible by ep_size 3" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_bench_placement_small_synthetic_run(tmp_path):
-    """benchmark/bench_placement.py end to end on a small synthetic set (the docs show the full-size run)."""
+    """python -m benchmark.bench_placement end to end on a small synthetic set (the docs show the full-size run)."""
     out = tmp_path / "bench.json"
-    done = run_cli("benchmark/bench_placement.py", "--synthetic-requests", "450", "--synthetic-layers", "8",
+    done = run_cli("-m", "benchmark.bench_placement", "--synthetic-requests", "450", "--synthetic-layers", "8",
                    "--servers", "3", "--batches", "5", "--json", str(out))
     assert done.returncode == 0, done.stderr
     assert "SIMULATED" in done.stdout and "SYNTHETIC" in done.stdout

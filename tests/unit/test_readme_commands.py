@@ -4,8 +4,9 @@ Fenced blocks labelled bash/sh/shell/console (and unlabelled blocks that start
 with a command) are split into commands. Per command:
 
 * ``python -m MODULE``: the module is found (without importing it); for
-  ``eldr_sglang.*``, ``sglang.launch_server``, ``sglang.bench_serving`` and
-  ``sglang_router.launch_router`` every ``--flag`` is one the CLI accepts;
+  ``eldr_sglang.*``, ``benchmark.*``, ``tools.*``, ``sglang.launch_server``,
+  ``sglang.bench_serving`` and ``sglang_router.launch_router`` every ``--flag`` is
+  one the CLI accepts (the repository's own from their ``--help``);
 * ``python path.py`` / ``bash path.sh``: the file exists; scripts in tools/ and
   benchmark/ answer ``--help`` and accept every ``--flag`` used;
 * ``make TARGET``: the Makefile defines the target;
@@ -45,6 +46,8 @@ SEPARATORS = {"&&", "||", ";", "|", "&", "|&", ";;"}
 ROUTER_PORT = 8000
 PROMISED = ("make demo", "make test")
 HELP_TIMEOUT_S = 120
+#: the repository's own packages: their CLIs' ``--help`` lists the flags a doc may use
+OWN_PACKAGES = ("eldr_sglang", "benchmark", "tools")
 
 
 @dataclass(frozen=True)
@@ -415,7 +418,7 @@ def check_python(cmd: Command) -> None:
     if module:
         assert find_module(module) is not None, f"{cmd.id}: no module {module} (or no __main__ in the package)"
         flags = used_flags(args)
-        if module == "eldr_sglang" or module.startswith("eldr_sglang."):
+        if module.split(".")[0] in OWN_PACKAGES:
             accepted, _ = help_flags(("-m", module), args)
             _assert_flags(cmd, flags, accepted, f"python -m {module}")
         elif module == "sglang.launch_server":

@@ -7,7 +7,7 @@ import pytest
 
 from eldr_sglang.core.step_sets import load_step_experts
 from eldr_sglang.core.traces import load_traces
-from tests.helpers import load_script
+from tools import record_long_decodes
 
 PROMPTS = ["def add(a, b):\n    return a + b\n", "The patient was given", "Article 3. The contract",
            "Integrate x squared from zero to one"]
@@ -15,7 +15,7 @@ PROMPTS = ["def add(a, b):\n    return a + b\n", "The patient was given", "Artic
 
 @pytest.fixture(scope="module")
 def tool():
-    return load_script("tools/record_long_decodes.py", "eldr_record_long_decodes")
+    return record_long_decodes
 
 
 def record(tool, model, tmp_path, batch: int) -> tuple:

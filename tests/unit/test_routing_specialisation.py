@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from tests.helpers import load_script
+from tools import routing_specialisation
 
 
 def brute_force_loo(x: np.ndarray, y: list[str]) -> float:
@@ -18,7 +18,7 @@ def brute_force_loo(x: np.ndarray, y: list[str]) -> float:
 
 
 def test_leave_one_out_matches_brute_force():
-    tool = load_script("tools/routing_specialisation.py", "eldr_routing_specialisation")
+    tool = routing_specialisation
     rng = np.random.default_rng(0)
     for shift in (0.5, 2.0):
         y = [str(i % 3) for i in range(45)]

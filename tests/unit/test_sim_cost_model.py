@@ -78,9 +78,7 @@ def test_microbenchmark_layer_computes_the_moe_output():
     per-token loop over each token's top-k experts, and hits exactly ``unique`` experts."""
     import torch
 
-    from tests.helpers import load_script
-
-    mb = load_script("benchmark/microbench_moe_layer.py", "microbench_moe_layer")
+    from benchmark import microbench_moe_layer as mb
     gen = torch.Generator().manual_seed(0)
     experts, top_k, hidden, ffn, batch = 12, 3, 16, 8, 5
     w13 = torch.randn(experts, 2 * ffn, hidden, generator=gen)

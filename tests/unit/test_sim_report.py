@@ -4,21 +4,16 @@ import json
 
 import pytest
 
-from tests.helpers import load_script
-
-
-def load_report():
-    return load_script("benchmark/report.py", "eldr_report")
+from benchmark import bench_default_policy, report
 
 
 def test_quick_report_writes_results_and_plots(tmp_path):
-    report = load_report()
     rc = report.main(["--quick", "--workloads", "task", "--out-dir", str(tmp_path),
                       "--traces-root", str(tmp_path / "no-traces"), "--work-dir", str(tmp_path / "work")])
     assert rc == 0
     text = (tmp_path / "RESULTS.md").read_text()
     assert "SIMULATED" in text and "SYNTHETIC traces" in text
-    assert "benchmark/report.py --quick" in text
+    assert "-m benchmark.report --quick" in text
     assert "| 8 | eldr |" in text and "oracle" in text
     assert "MEASURED" in text and "linear fit" in text
     assert "## Goodput up to saturation (simulated)" in text and "| task | eldr |" in text
@@ -32,7 +27,6 @@ def test_quick_report_writes_results_and_plots(tmp_path):
 
 
 def test_seeds_vary_calibration_and_arrivals_and_spread_is_reported(tmp_path):
-    report = load_report()
     rc = report.main(["--quick", "--workloads", "task", "--seeds", "2", "--jobs", "2", "--skip-microbench",
                       "--out-dir", str(tmp_path), "--traces-root", str(tmp_path / "no-traces"),
                       "--work-dir", str(tmp_path / "work")])
@@ -48,7 +42,6 @@ def test_seeds_vary_calibration_and_arrivals_and_spread_is_reported(tmp_path):
 
 
 def test_goodput_is_the_first_crossing_of_the_p99_target():
-    report = load_report()
     rows = [{"rate": r, "tpot_p99_ms": t} for r, t in ((10, 5.0), (20, 8.0), (30, 12.0), (40, 9.0))]
     assert report.goodput_of(rows, 10.0) == (25.0, "")  # 8 -> 12 crosses 10 halfway
     assert report.goodput_of(rows, 20.0) == (40, ">=")
@@ -62,7 +55,6 @@ def test_goodput_is_the_first_crossing_of_the_p99_target():
     (["--mean-output-tokens", "-1"], "--mean-output-tokens"),
 ])
 def test_bad_flags_name_the_flag(argv, flag, capsys):
-    report = load_report()
     with pytest.raises(SystemExit) as exc:
         report.main(argv)
     assert exc.value.code == 2
@@ -72,7 +64,7 @@ def test_bad_flags_name_the_flag(argv, flag, capsys):
 def test_default_policy_benchmark_quick_applies_every_rule(tmp_path):
     """bench_default_policy --quick: every rule of the decision rule is checked on real
     simulated runs, and a planted regression (a candidate slower than round robin) fails rule 1."""
-    bdp = load_script("benchmark/bench_default_policy.py", "eldr_bench_default_policy")
+    bdp = bench_default_policy
     assert bdp.main(["--quick", "--out-dir", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "default_policy.json").read_text())
     assert {c["rule"] for c in doc["decision"]["checks"]} == {1, 2, 3, 4, 5}
