@@ -1,7 +1,7 @@
 """Online calibration: the artifact's lifecycle inside a running router (or the simulator).
 
 Pure numeric (numpy, scipy, scikit-learn): no clock, thread or I/O. The router's
-controller (:mod:`eldr_sglang.router.online`) feeds it signature messages and runs
+controller (:mod:`eldr_sglang.router.state.online`) feeds it signature messages and runs
 :func:`run_fit` off its event loop; the simulator runs the same objects inline.
 
 Lifecycle of an :class:`OnlineCalibrator`:

@@ -3,7 +3,7 @@
 Two scorers answer the same question, ``choose(body, endpoint, workers, loads)``:
 
 * :class:`LocalScorer` (in process, the default): the artifact's signature predictor
-  (:class:`~eldr_sglang.router.scoring.PredictedRouting`) and the router's default
+  (:class:`~eldr_sglang.router.signals.scoring.PredictedRouting`) and the router's default
   policy (``eldr_balanced``, any registered name) decide over the adapter's current
   worker list with the loads the adapter sees (its own in-flight requests per worker).
   The policy's server list follows the worker list (``add_server``/``remove_server``),
@@ -30,8 +30,8 @@ import orjson
 
 from eldr_sglang.core.policies import PolicyContext, RouteRequest, build_policy
 from eldr_sglang.prompts import Tokenizer, default_tokenizer_path, load_tokenizer
-from eldr_sglang.router.scoring import PredictedRouting, decide
-from eldr_sglang.router.signatures import load_calibration
+from eldr_sglang.router.signals.scoring import PredictedRouting, decide
+from eldr_sglang.router.signals.signatures import load_calibration
 
 
 @dataclass

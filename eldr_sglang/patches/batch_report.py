@@ -9,7 +9,7 @@ the last ``window`` steps' distinct experts (summed over MoE layers). On the hos
 each step's batch size, KV tokens and forward time (host time of the forward call on
 CPU, where the forward is synchronous; CUDA events on a GPU, read when the report
 is served). The router fits its step-time law per server from these samples
-(``eldr_sglang.router.engine_reports``).
+(``eldr_sglang.router.signals.engine_reports``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ def __getattr__(name: str) -> Any:
 
         return Router
     if name == "start_router":
-        from eldr_sglang.router.serve import start_router
+        from eldr_sglang.router.http.serve import start_router
 
         return start_router
     raise AttributeError(f"module 'eldr_sglang.router' has no attribute {name!r}")

@@ -4,11 +4,11 @@ prefill/decode flow and its signature parts.
 The shell owns HTTP conventions, admission, drain, lifecycle, status and metrics;
 this flow adds:
 
-* :mod:`~eldr_sglang.router.signatures` and :mod:`~eldr_sglang.router.intake`: the
+* :mod:`~eldr_sglang.router.signals.signatures` and :mod:`~eldr_sglang.router.signals.intake`: the
   signature board and its intake (HTTP and TCP);
-* :mod:`~eldr_sglang.router.dispatch`: the PD dispatch flow (late binding), as named
-  steps over :class:`~eldr_sglang.router.dispatch_parts.DispatchParts`;
-* :mod:`~eldr_sglang.router.online`: online calibration; :mod:`~eldr_sglang.router.ab`:
+* :mod:`~eldr_sglang.router.flow.dispatch`: the PD dispatch flow (late binding), as named
+  steps over :class:`~eldr_sglang.router.flow.dispatch_parts.DispatchParts`;
+* :mod:`~eldr_sglang.router.state.online`: online calibration; :mod:`~eldr_sglang.router.state.ab`:
   the shadow policy (both learn from the signature messages).
 """
 
@@ -24,17 +24,17 @@ from typing import Any, Optional, Sequence
 from aiohttp import web
 
 from eldr_sglang.core.policies import Decision
-from eldr_sglang.router.ab import ShadowPolicy
+from eldr_sglang.router.state.ab import ShadowPolicy
 from eldr_sglang.router.config import RouterConfig
-from eldr_sglang.router.dispatch import Dispatcher
-from eldr_sglang.router.dispatch_parts import DispatchParts
-from eldr_sglang.router.early import EarlyBinding
-from eldr_sglang.router.intake import SignatureIntake
+from eldr_sglang.router.flow.dispatch import Dispatcher
+from eldr_sglang.router.flow.dispatch_parts import DispatchParts
+from eldr_sglang.router.signals.early import EarlyBinding
+from eldr_sglang.router.signals.intake import SignatureIntake
 from eldr_sglang.router.metrics import RouterMetrics
-from eldr_sglang.router.online import OnlineController
+from eldr_sglang.router.state.online import OnlineController
 from eldr_sglang.router.shell import RouterShell, initial_artifact
-from eldr_sglang.router.signatures import SignatureBoard, WaitLimit
-from eldr_sglang.router.workers import Worker, WorkerPool
+from eldr_sglang.router.signals.signatures import SignatureBoard, WaitLimit
+from eldr_sglang.router.pool.workers import Worker, WorkerPool
 
 logger = logging.getLogger("eldr_sglang.router")
 def _load_json(text: str) -> dict:

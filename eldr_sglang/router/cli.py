@@ -37,7 +37,7 @@ from eldr_sglang.cliparse import OneLineParser
 from eldr_sglang.core.policies import policy_names, policy_spec
 from eldr_sglang.router.app import Router
 from eldr_sglang.router.config import RouterConfig, typed_value, validate_worker_url
-from eldr_sglang.router.serve import start_router
+from eldr_sglang.router.http.serve import start_router
 
 
 def _prefill_arg(values: list[str]) -> tuple[str, Optional[int]]:
@@ -299,7 +299,7 @@ def _supervise(args: argparse.Namespace) -> None:
 
 
 def _setup_logging(level: str, fmt: str = "text") -> None:
-    from eldr_sglang.router.http_conventions import setup_logging  # text or JSON lines
+    from eldr_sglang.router.http.http_conventions import setup_logging  # text or JSON lines
 
     setup_logging(level, fmt)
 

@@ -13,7 +13,7 @@ choice. No prefill/decode split, so none of late binding's requirements apply.
 
 Metrics: the router's registry (``/metrics``) plus ``eldr_router_route_path_total
 {mode="colocated", path}`` (predicted / fallback / blind). ``POST /eldr/score`` ranks
-the servers for a prompt without sending it (:mod:`~eldr_sglang.router.scoring`).
+the servers for a prompt without sending it (:mod:`~eldr_sglang.router.signals.scoring`).
 
 It is the PD router's server shell (:mod:`~eldr_sglang.router.shell`) with another
 flow: the same client conventions, admission and drain, relay, status, metrics, admin
@@ -33,17 +33,18 @@ from aiohttp import web
 
 from eldr_sglang.core.policies import least_loaded
 from eldr_sglang.prompts import Tokenizer, default_tokenizer_path, load_tokenizer
-from eldr_sglang.router import sampling, upstream
-from eldr_sglang.router.bodies import BodyError, read_body, routing_view
-from eldr_sglang.router.clients import REQUEST_ID_KEY
+from eldr_sglang.router.http import sampling
+from eldr_sglang.router.pool import upstream
+from eldr_sglang.router.http.bodies import BodyError, read_body, routing_view
+from eldr_sglang.router.http.clients import REQUEST_ID_KEY
 from eldr_sglang.router.config import RouterConfig
-from eldr_sglang.router.dispatch_parts import Flight
+from eldr_sglang.router.flow.dispatch_parts import Flight
 from eldr_sglang.router.metrics import RouterMetrics
-from eldr_sglang.router.responses import error_response
-from eldr_sglang.router.routing import Routing
-from eldr_sglang.router.scoring import PredictedRouting, ScoreEndpoint, decide, path_counter
+from eldr_sglang.router.http.responses import error_response
+from eldr_sglang.router.state.routing import Routing
+from eldr_sglang.router.signals.scoring import PredictedRouting, ScoreEndpoint, decide, path_counter
 from eldr_sglang.router.shell import RouterShell, initial_artifact
-from eldr_sglang.router.workers import Worker, WorkerPool
+from eldr_sglang.router.pool.workers import Worker, WorkerPool
 
 logger = logging.getLogger("eldr_sglang.router")
 

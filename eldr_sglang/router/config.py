@@ -51,7 +51,7 @@ class RouterConfig:
     label_field: Optional[str] = _opt("body field holding the request label (removed before forwarding)")
     label_header: Optional[str] = _opt("HTTP header holding the request label")
     seed: Optional[int] = _opt("seed of the policies' random tie-breaks", 0)
-    # routing before prefill (eldr_sglang.router.colocated, eldr_sglang.router.scoring)
+    # routing before prefill (eldr_sglang.router.colocated, eldr_sglang.router.signals.scoring)
     mode: str = _opt("pd: prefill/decode router; colocated: whole requests across plain SGLang "
                      "servers (--worker), routed by the artifact's predicted signature", "pd",
                      choices=("pd", "colocated"))
@@ -63,7 +63,7 @@ class RouterConfig:
                         choices=("late", "early", "auto"))
     binding_margin: float = _opt("--binding auto: least similarity margin between the best two predicted "
                                  "regions for early binding", 0.02)
-    # A/B and shadow (eldr_sglang.router.ab)
+    # A/B and shadow (eldr_sglang.router.state.ab)
     ab_policies: Optional[str] = _opt(
         "time-sliced A/B: comma-separated policies the router alternates, one per slice "
         "(e.g. eldr,jsq; --policy is then unused)")
@@ -215,7 +215,7 @@ class RouterConfig:
                 raise ValueError(f"{f.name}: {getattr(self, f.name)!r} is not one of {', '.join(choices)}")
         self._check_policies()
         self._check_policy_params()
-        from eldr_sglang.router.http_conventions import cors_origins_of
+        from eldr_sglang.router.http.http_conventions import cors_origins_of
 
         cors_origins_of(self.cors_origins)  # ValueError naming cors_origins
         if self.domain_map is not None:

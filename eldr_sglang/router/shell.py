@@ -22,26 +22,26 @@ import orjson
 from aiohttp import web
 
 from eldr_sglang.core.policies import Policy
-from eldr_sglang.router import upstream
-from eldr_sglang.router.ab import ABController
-from eldr_sglang.router.admin import AdminApi
-from eldr_sglang.router.admission import Admission
-from eldr_sglang.router.bodies import BodyParser
-from eldr_sglang.router.client_guard import ClientGuards
-from eldr_sglang.router.clients import RequestIds, bearer_matches, unauthorized, with_client_conventions
+from eldr_sglang.router.pool import upstream
+from eldr_sglang.router.state.ab import ABController
+from eldr_sglang.router.api.admin import AdminApi
+from eldr_sglang.router.state.admission import Admission
+from eldr_sglang.router.http.bodies import BodyParser
+from eldr_sglang.router.http.client_guard import ClientGuards
+from eldr_sglang.router.http.clients import RequestIds, bearer_matches, unauthorized, with_client_conventions
 from eldr_sglang.router.config import WORKER_KEEPALIVE_S, RouterConfig
-from eldr_sglang.router.decision_log import DecisionLog
-from eldr_sglang.router.engine_reports import EngineReports
-from eldr_sglang.router.http_conventions import install as install_conventions
-from eldr_sglang.router.info_api import InfoApi
+from eldr_sglang.router.state.decision_log import DecisionLog
+from eldr_sglang.router.signals.engine_reports import EngineReports
+from eldr_sglang.router.http.http_conventions import install as install_conventions
+from eldr_sglang.router.api.info_api import InfoApi
 from eldr_sglang.router.metrics import RouterMetrics
-from eldr_sglang.router.online import CalibrationWatcher
-from eldr_sglang.router.relay import Relay
-from eldr_sglang.router.responses import error_response, json_response
-from eldr_sglang.router.routing import Routing, RoutingState
+from eldr_sglang.router.state.online import CalibrationWatcher
+from eldr_sglang.router.flow.relay import Relay
+from eldr_sglang.router.http.responses import error_response, json_response
+from eldr_sglang.router.state.routing import Routing, RoutingState
 from eldr_sglang.router.runtime import Runtime
-from eldr_sglang.router.signatures import SignatureEncoder, load_calibration
-from eldr_sglang.router.workers import Worker, WorkerPool
+from eldr_sglang.router.signals.signatures import SignatureEncoder, load_calibration
+from eldr_sglang.router.pool.workers import Worker, WorkerPool
 
 logger = logging.getLogger("eldr_sglang.router")
 WORK = {"/generate": "generate", "/v1/completions": "v1/completions",

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eldr_sglang.patches.cpu_compat import cuda_available
-from eldr_sglang.router.ab import parse_prometheus
+from eldr_sglang.router.state.ab import parse_prometheus
 
 #: KV slots per CPU server: bounds the memory SGLang reserves (it otherwise
 #: sizes the pool from the machine's free RAM).

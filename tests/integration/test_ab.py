@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 
 from eldr_sglang import ab
-from eldr_sglang.router.ab import parse_prometheus
+from eldr_sglang.router.state.ab import parse_prometheus
 from eldr_sglang.testing.stub_worker import ToyArtifact
 from tests.integration.helpers import cluster, post, until
 
@@ -188,7 +188,7 @@ async def test_requests_spanning_a_slice_boundary_count_in_their_arrival_slice(t
 def test_a_series_created_during_a_slice_counts_from_zero():
     """SGLang's labelled TPOT/TTFT histograms have no samples before their first request:
     absent at a slice's start means 0 (the engine answered), not 'no value'."""
-    from eldr_sglang.router.ab import ABController, SliceStats
+    from eldr_sglang.router.state.ab import ABController, SliceStats
 
     tpot = "sglang:request_time_per_output_token_seconds"
     s = SliceStats("eldr", 0, 100.0, requests=2, durations=[1.0, 2.0],

@@ -12,7 +12,7 @@ import pytest
 from eldr_sglang.core import CalibrationArtifact, ModelSpec
 from eldr_sglang.core.predictor import SignaturePredictor
 from eldr_sglang.prompts import load_tokenizer
-from eldr_sglang.router.serve import start_router
+from eldr_sglang.router.http.serve import start_router
 from eldr_sglang.router.cli import parse_args
 from eldr_sglang.router.colocated import ColocatedRouter
 from eldr_sglang.testing.stub_worker import StubWorker

@@ -9,7 +9,7 @@ import contextlib
 import aiohttp
 import orjson
 
-from eldr_sglang.router.serve import start_router
+from eldr_sglang.router.http.serve import start_router
 from eldr_sglang.router.colocated import ColocatedRouter
 from eldr_sglang.testing.stub_worker import StubWorker
 from tests.integration.helpers import post, until

@@ -8,7 +8,7 @@ import orjson
 
 from eldr_sglang.core import CalibrationArtifact
 from eldr_sglang.router.colocated import ColocatedRouter
-from eldr_sglang.router.serve import start_router
+from eldr_sglang.router.http.serve import start_router
 from eldr_sglang.testing.stub_worker import StubWorker
 from tests.helpers import until
 from tests.integration.helpers import post

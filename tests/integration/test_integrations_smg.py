@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from eldr_sglang.integrations import LocalScorer, RemoteScorer, SmgPreRouter
-from eldr_sglang.router.serve import start_router
+from eldr_sglang.router.http.serve import start_router
 from eldr_sglang.router.colocated import ColocatedRouter
 from eldr_sglang.testing.local_cluster import free_port, sglang_router_argv
 from eldr_sglang.testing.stub_worker import StubWorker

@@ -12,7 +12,7 @@ import time
 import orjson
 import pytest
 
-from eldr_sglang.router.sampling import refusal, samples
+from eldr_sglang.router.http.sampling import refusal, samples
 from tests.integration.helpers import cluster, post
 from tests.integration.test_colocated import colocated, topic_ids
 

@@ -12,7 +12,7 @@ import pytest
 
 from eldr_sglang.core.counts_codec import pack_counts
 from eldr_sglang.patches.publish import SignaturePublisher
-from eldr_sglang.router.signatures import parse_message
+from eldr_sglang.router.signals.signatures import parse_message
 from tests.integration.helpers import until, wait_until
 
 

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from eldr_sglang.core.policies import RouteRequest
-from eldr_sglang.router.serve import start_router
+from eldr_sglang.router.http.serve import start_router
 from eldr_sglang.testing.stub_worker import KvHandoff, StubWorker, ToyArtifact, topic_counts
 from tests.integration.helpers import BOOT_PORT, cluster, post, until
 
@@ -348,7 +348,7 @@ async def test_cli_with_real_calibration_artifact(tmp_path):
 
 
 async def test_parse_message_validation_and_board_ttl():
-    from eldr_sglang.router.signatures import SignatureBoard, parse_message
+    from eldr_sglang.router.signals.signatures import SignatureBoard, parse_message
 
     ok = parse_message({"bootstrap_room": 1, "layers": [0, 1], "counts": [[1, 2], [3, 4]]})
     assert ok["counts"].shape == (2, 2)

@@ -13,7 +13,7 @@ import pytest
 
 from eldr_sglang.router import cli as router_cli
 from eldr_sglang.router.config import RouterConfig
-from eldr_sglang.router.http_conventions import ACCESS_LOGGER, cors_origins_of
+from eldr_sglang.router.http.http_conventions import ACCESS_LOGGER, cors_origins_of
 from tests.integration.helpers import cluster, post
 
 pytestmark = pytest.mark.timeout(60)
@@ -93,7 +93,7 @@ async def test_no_access_log_unless_asked(caplog):
 
 
 def test_json_log_lines():
-    code = ("import logging; from eldr_sglang.router.http_conventions import setup_logging; "
+    code = ("import logging; from eldr_sglang.router.http.http_conventions import setup_logging; "
             "setup_logging('info', 'json'); "
             "logging.getLogger('eldr_sglang.router.access').info('POST /generate %d', 200, "
             "extra={'status': 200, 'path': '/generate'}); "
@@ -131,7 +131,7 @@ def test_bad_flags_are_one_line(capsys, extra, wanted):
 
 async def test_the_colocated_router_has_them_too(caplog):
     from eldr_sglang.router.colocated import ColocatedRouter
-    from eldr_sglang.router.serve import start_router
+    from eldr_sglang.router.http.serve import start_router
     from eldr_sglang.testing.stub_worker import StubWorker
     from tests.integration.test_colocated import make_artifact, topic_ids
 

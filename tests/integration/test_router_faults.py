@@ -14,7 +14,7 @@ import aiohttp
 import orjson
 import pytest
 
-from eldr_sglang.router import upstream
+from eldr_sglang.router.pool import upstream
 from eldr_sglang.router import Router, start_router
 from eldr_sglang.testing.stub_worker import KvHandoff, StubWorker, ToyArtifact
 from tests.integration.helpers import BOOT_PORT, free_port, post, until

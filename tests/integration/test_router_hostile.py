@@ -8,7 +8,7 @@ import aiohttp
 import orjson
 import pytest
 
-from eldr_sglang.router.signatures import SignatureBoard, parse_message
+from eldr_sglang.router.signals.signatures import SignatureBoard, parse_message
 from eldr_sglang.testing.stub_worker import topic_counts
 from tests.integration.helpers import cluster, post, until
 

@@ -365,7 +365,7 @@ async def test_no_big_body_stalls_the_event_loop(shape):
 async def test_no_big_body_stalls_the_colocated_router(shape):
     """The co-located router forwards the raw bytes: a big body is parsed in the parser
     process and only the fields routing reads come back."""
-    from eldr_sglang.router.serve import start_router
+    from eldr_sglang.router.http.serve import start_router
     from eldr_sglang.router.colocated import ColocatedRouter
 
     server, url = await sink_worker()

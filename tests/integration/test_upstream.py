@@ -1,4 +1,4 @@
-"""The router's worker client (eldr_sglang/router/upstream.py) against real sockets."""
+"""The router's worker client (eldr_sglang/router/pool/upstream.py) against real sockets."""
 
 import asyncio
 import errno
@@ -11,7 +11,7 @@ import time
 import pytest
 from aiohttp import web
 
-from eldr_sglang.router import upstream
+from eldr_sglang.router.pool import upstream
 from tests.helpers import until
 
 pytestmark = pytest.mark.timeout(30)

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from eldr_sglang.router import upstream
+from eldr_sglang.router.pool import upstream
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from eldr_sglang.router.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker, Ticket
+from eldr_sglang.router.pool.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker, Ticket
 
 
 class Clock:

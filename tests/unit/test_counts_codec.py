@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from eldr_sglang.core.counts_codec import pack_counts, unpack_counts
-from eldr_sglang.router.signatures import parse_message
+from eldr_sglang.router.signals.signatures import parse_message
 
 
 @pytest.mark.parametrize("high, dtype", [(255, "uint8"), (60_000, "uint16"), (70_000, "uint32")])

@@ -14,19 +14,19 @@ from aiohttp import web
 
 from eldr_sglang.core.policies import RouteRequest
 from eldr_sglang.core.wire import RETURN_ADDRESS_KEY
-from eldr_sglang.router.admission import Admission
-from eldr_sglang.router.bodies import BodyParser
+from eldr_sglang.router.state.admission import Admission
+from eldr_sglang.router.http.bodies import BodyParser
 from eldr_sglang.router.config import RouterConfig
-from eldr_sglang.router.decision_log import DecisionLog
-from eldr_sglang.router.dispatch import Dispatcher
-from eldr_sglang.router.dispatch_parts import DispatchParts, Flight, PrefillResult
-from eldr_sglang.router.intake import RateLimitedLog
+from eldr_sglang.router.state.decision_log import DecisionLog
+from eldr_sglang.router.flow.dispatch import Dispatcher
+from eldr_sglang.router.flow.dispatch_parts import DispatchParts, Flight, PrefillResult
+from eldr_sglang.router.signals.intake import RateLimitedLog
 from eldr_sglang.router.metrics import RouterMetrics
-from eldr_sglang.router.routing import RoutingState
+from eldr_sglang.router.state.routing import RoutingState
 from eldr_sglang.router.runtime import Runtime
-from eldr_sglang.router.signatures import SignatureBoard, WaitLimit
-from eldr_sglang.router.upstream import UpstreamClient
-from eldr_sglang.router.workers import WorkerPool
+from eldr_sglang.router.signals.signatures import SignatureBoard, WaitLimit
+from eldr_sglang.router.pool.upstream import UpstreamClient
+from eldr_sglang.router.pool.workers import WorkerPool
 from eldr_sglang.testing.stub_worker import topic_counts
 from eldr_sglang.testing.toy_artifact import toy_calibration_artifact
 

@@ -52,9 +52,9 @@ def import_graph() -> dict[str, set[str]]:
 
 def test_the_graph_sees_the_package_imports():
     graph = import_graph()
-    assert "eldr_sglang.router.dispatch" in graph["eldr_sglang.router.app"]
-    assert "eldr_sglang.core.policies" in graph["eldr_sglang.router.dispatch"]
-    assert "eldr_sglang.router.upstream" in graph["eldr_sglang.router.dispatch"]  # from pkg import mod
+    assert "eldr_sglang.router.flow.dispatch" in graph["eldr_sglang.router.app"]
+    assert "eldr_sglang.core.policies" in graph["eldr_sglang.router.flow.dispatch"]
+    assert "eldr_sglang.router.pool.upstream" in graph["eldr_sglang.router.flow.dispatch"]  # from pkg import mod
 
 
 def test_a_planted_circle_is_found():

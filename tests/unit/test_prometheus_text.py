@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from prometheus_client.parser import text_string_to_metric_families
 
 from eldr_sglang.patches.metrics import ENGINE_METRICS, EngineCollector
-from eldr_sglang.router.ab import ENGINE_COUNTERS, parse_prometheus
+from eldr_sglang.router.state.ab import ENGINE_COUNTERS, parse_prometheus
 from eldr_sglang.router.metrics import histogram_quantiles
 from eldr_sglang.testing.local_cluster import scrape_metrics
 

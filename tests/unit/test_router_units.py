@@ -7,10 +7,10 @@ import pytest
 
 from eldr_sglang.patches.publish import RETURN_ADDRESS_KEY
 from eldr_sglang.router.config import RouterConfig, validate_worker_url
-from eldr_sglang.router.body_rules import set_return_address
-from eldr_sglang.router.intake import RateLimitedLog
+from eldr_sglang.router.http.body_rules import set_return_address
+from eldr_sglang.router.signals.intake import RateLimitedLog
 from eldr_sglang.router.metrics import RouterMetrics
-from eldr_sglang.router.signatures import WaitLimit
+from eldr_sglang.router.signals.signatures import WaitLimit
 
 
 def test_wait_limit_follows_recent_p99_within_floor_and_ceiling():

@@ -6,7 +6,7 @@ import pytest
 from eldr_sglang.core.artifact import CalibrationArtifact
 from eldr_sglang.core.counts_codec import pack_counts, unpack_counts
 from eldr_sglang.core.traces import ModelSpec
-from eldr_sglang.router.signatures import SignatureEncoder, SignatureError, parse_message
+from eldr_sglang.router.signals.signatures import SignatureEncoder, SignatureError, parse_message
 
 
 @pytest.mark.parametrize("variant", ["idf", "raw", "sqrt", "binary"])

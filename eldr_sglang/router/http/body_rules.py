@@ -7,7 +7,7 @@ import os
 from typing import Any, Mapping, Optional
 
 from eldr_sglang.core.wire import RETURN_ADDRESS_KEY
-from eldr_sglang.router.bodies import BadRequest
+from eldr_sglang.router.http.bodies import BadRequest
 
 
 def set_rid(body: dict, n: Optional[int]) -> list[str]:

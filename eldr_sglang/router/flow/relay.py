@@ -12,13 +12,13 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from eldr_sglang.router import upstream
+from eldr_sglang.router.pool import upstream
 from eldr_sglang.router.config import RouterConfig
-from eldr_sglang.router.dispatch_parts import Flight, PrefillResult
+from eldr_sglang.router.flow.dispatch_parts import Flight, PrefillResult
 from eldr_sglang.router.metrics import RouterMetrics
-from eldr_sglang.router.responses import JSON, error_response, worker_error_response
+from eldr_sglang.router.http.responses import JSON, error_response, worker_error_response
 from eldr_sglang.router.runtime import Runtime
-from eldr_sglang.router.workers import Worker, WorkerPool
+from eldr_sglang.router.pool.workers import Worker, WorkerPool
 
 logger = logging.getLogger("eldr_sglang.router")
 ABORT_TIMEOUT = 5.0

@@ -36,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from eldr_sglang.core.policies import RouteRequest, policy_spec
 from eldr_sglang.router.metrics import RouterMetrics
-from eldr_sglang.router.routing import Routing, RoutingState
+from eldr_sglang.router.state.routing import Routing, RoutingState
 
 logger = logging.getLogger("eldr_sglang.router")
 

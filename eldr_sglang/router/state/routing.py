@@ -18,8 +18,8 @@ from eldr_sglang.core.policies import (Policy, PolicyContext, PolicySpec, build_
 from eldr_sglang.core.policies.params import params_for
 from eldr_sglang.router.config import RouterConfig
 from eldr_sglang.router.metrics import RouterMetrics
-from eldr_sglang.router.signatures import SignatureEncoder
-from eldr_sglang.router.workers import WorkerPool
+from eldr_sglang.router.signals.signatures import SignatureEncoder
+from eldr_sglang.router.pool.workers import WorkerPool
 
 logger = logging.getLogger("eldr_sglang.router")
 

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import orjson
 from aiohttp import web
 
-from eldr_sglang.router import sampling
+from eldr_sglang.router.http import sampling
 
 OFF_LOOP_BYTES = 256 << 10  # bodies at least this large are parsed in the parser process
 ADMIN_BODY_BYTES = 64 << 10  # admin POSTs: server lists, a calibration path

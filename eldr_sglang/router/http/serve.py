@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
-from eldr_sglang.router.client_guard import GuardedSite
+from eldr_sglang.router.http.client_guard import GuardedSite
 
 CLIENT_KEEPALIVE_S = 75.0  # idle keep-alive client connections (aiohttp's default: an hour)
 

@@ -11,20 +11,20 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import orjson
 
 from eldr_sglang.core.policies import RouteRequest
-from eldr_sglang.router.admission import Admission
-from eldr_sglang.router.bodies import BodyParser
+from eldr_sglang.router.state.admission import Admission
+from eldr_sglang.router.http.bodies import BodyParser
 from eldr_sglang.router.config import RouterConfig
-from eldr_sglang.router.decision_log import DecisionLog
-from eldr_sglang.router.intake import RateLimitedLog
+from eldr_sglang.router.state.decision_log import DecisionLog
+from eldr_sglang.router.signals.intake import RateLimitedLog
 from eldr_sglang.router.metrics import RouterMetrics
-from eldr_sglang.router.routing import Routing, RoutingState
+from eldr_sglang.router.state.routing import Routing, RoutingState
 from eldr_sglang.router.runtime import Runtime
-from eldr_sglang.router.signatures import SignatureBoard, WaitLimit
-from eldr_sglang.router.upstream import UpstreamClient
-from eldr_sglang.router.workers import Worker, WorkerPool
+from eldr_sglang.router.signals.signatures import SignatureBoard, WaitLimit
+from eldr_sglang.router.pool.upstream import UpstreamClient
+from eldr_sglang.router.pool.workers import Worker, WorkerPool
 
 if TYPE_CHECKING:
-    from eldr_sglang.router.ab import ShadowPolicy
+    from eldr_sglang.router.state.ab import ShadowPolicy
 
 EarlyRoute = Callable[[dict, str, Optional[str]], Optional[RouteRequest]]
 

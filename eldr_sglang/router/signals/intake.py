@@ -44,12 +44,12 @@ from typing import Any, Callable, Optional
 import orjson
 from aiohttp import web
 
-from eldr_sglang.router.bodies import BodyError, BodyParser, read_body
-from eldr_sglang.router.clients import bearer_matches
+from eldr_sglang.router.http.bodies import BodyError, BodyParser, read_body
+from eldr_sglang.router.http.clients import bearer_matches
 from eldr_sglang.router.metrics import RouterMetrics
 from eldr_sglang.core import wire
 from eldr_sglang.core.wire import parse_message, preparse
-from eldr_sglang.router.signatures import SignatureBoard, SignatureEncoder, SignatureError
+from eldr_sglang.router.signals.signatures import SignatureBoard, SignatureEncoder, SignatureError
 
 logger = logging.getLogger("eldr_sglang.router")
 LOG_EVERY = 10.0

@@ -11,7 +11,7 @@ from typing import Optional
 import orjson
 from aiohttp import web
 
-from eldr_sglang.router.responses import json_response
+from eldr_sglang.router.http.responses import json_response
 
 REQUEST_ID_KEY = web.RequestKey("eldr_request_id", tuple)  # (header name, value)
 REQUEST_ID_MAX = 256

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from eldr_sglang.router.config import RouterConfig
 from eldr_sglang.router.metrics import RouterMetrics
-from eldr_sglang.router.responses import error_response
+from eldr_sglang.router.http.responses import error_response
 from eldr_sglang.router.runtime import Runtime
 
 logger = logging.getLogger("eldr_sglang.router")

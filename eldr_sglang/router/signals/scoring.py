@@ -5,7 +5,7 @@ policies take, from the prompt alone: token ids (the model's tokenizer, or the
 client's ``input_ids``) -> the artifact's predictor -> predicted raw counts of the
 selected layers -> ``signature`` (IDF-weighted, L2-normalised, as the router does
 with a prefill signature message) and ``activation`` (counts / prompt tokens, as
-:func:`~eldr_sglang.router.signatures.activation`). A batch combines its items as
+:func:`~eldr_sglang.router.signals.signatures.activation`). A batch combines its items as
 the PD router does.
 
 ``POST /eldr/score`` answers which servers a request should go to, for a router
@@ -35,9 +35,9 @@ from prometheus_client import Counter
 
 from eldr_sglang.core.policies import Decision, Policy, RouteRequest
 from eldr_sglang.prompts import Tokenizer, request_token_ids
-from eldr_sglang.router.bodies import BodyError, read_body
-from eldr_sglang.router.responses import error_response, json_response
-from eldr_sglang.router.signatures import combine, union
+from eldr_sglang.router.http.bodies import BodyError, read_body
+from eldr_sglang.router.http.responses import error_response, json_response
+from eldr_sglang.router.signals.signatures import combine, union
 
 ENDPOINTS = ("generate", "v1/completions", "v1/chat/completions")
 # which path each request took: predicted (routed by its predicted signature), fallback

@@ -13,9 +13,9 @@ import orjson
 from aiohttp import web
 
 from eldr_sglang.router.config import RouterConfig
-from eldr_sglang.router.responses import JSON, error_response, json_response
+from eldr_sglang.router.http.responses import JSON, error_response, json_response
 from eldr_sglang.router.runtime import Runtime
-from eldr_sglang.router.workers import Worker, WorkerPool
+from eldr_sglang.router.pool.workers import Worker, WorkerPool
 
 logger = logging.getLogger("eldr_sglang.router")
 

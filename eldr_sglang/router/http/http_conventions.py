@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from eldr_sglang.router.clients import REQUEST_ID_KEY
+from eldr_sglang.router.http.clients import REQUEST_ID_KEY
 
 ACCESS_LOGGER = "eldr_sglang.router.access"
 LOG_FORMATS = ("text", "json")

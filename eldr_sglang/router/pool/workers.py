@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 import aiohttp
 import orjson
 
-from eldr_sglang.router.breaker import CLOSED, STATE_CODES, CircuitBreaker, Ticket
+from eldr_sglang.router.pool.breaker import CLOSED, STATE_CODES, CircuitBreaker, Ticket
 from eldr_sglang.router.config import RouterConfig, validate_worker_url
 from eldr_sglang.router.metrics import RouterMetrics, WorkerMetrics
 

@@ -1,7 +1,7 @@
 """The PD dispatch flow with late binding, in the spirit of sglang_router's mini_lb.
 
 One client request goes through named steps, each a method of :class:`Dispatcher`
-that works on the request's :class:`~eldr_sglang.router.dispatch_parts.Flight`:
+that works on the request's :class:`~eldr_sglang.router.flow.dispatch_parts.Flight`:
 
 1. ``admit``: the body is read and valid; above ``max_inflight`` client requests
    answer 429 + Retry-After at once (nothing is opened upstream);
@@ -17,13 +17,13 @@ that works on the request's :class:`~eldr_sglang.router.dispatch_parts.Flight`:
 5. ``decide``: the policy picks the decode server (kept in the decision log);
 6. ``decode``: the same body goes there. A room binds once, so a decode is re-sent
    elsewhere only when the connection was refused;
-7. ``relay`` (:mod:`~eldr_sglang.router.relay`): the client gets the decode answer
+7. ``relay`` (:mod:`~eldr_sglang.router.flow.relay`): the client gets the decode answer
    only if the prefill succeeded too: a prefill failing at any point (before or after
    its signature, before or after the decode was posted) is the client's error, and
    the decode is aborted.
 
 Every worker request holds a breaker ticket that ends on every path
-(:mod:`eldr_sglang.router.breaker`). Client disconnect aborts the rid(s) on both
+(:mod:`eldr_sglang.router.pool.breaker`). Client disconnect aborts the rid(s) on both
 servers. Errors the router causes itself (out of file descriptors) are never
 counted against a worker.
 """
@@ -40,16 +40,16 @@ import numpy as np
 from aiohttp import web
 
 from eldr_sglang.core.policies import Decision, RouteRequest, least_loaded
-from eldr_sglang.router import upstream
-from eldr_sglang.router.bodies import BodyError, read_body
-from eldr_sglang.router.body_rules import label_of, set_return_address, set_rid
-from eldr_sglang.router.clients import REQUEST_ID_KEY
-from eldr_sglang.router.dispatch_parts import DispatchParts, Flight, PrefillResult
-from eldr_sglang.router.relay import Relay
-from eldr_sglang.router.responses import error_in_body, error_response
-from eldr_sglang.router.routing import Routing
-from eldr_sglang.router.signatures import activation, combine, union
-from eldr_sglang.router.workers import Worker
+from eldr_sglang.router.pool import upstream
+from eldr_sglang.router.http.bodies import BodyError, read_body
+from eldr_sglang.router.http.body_rules import label_of, set_return_address, set_rid
+from eldr_sglang.router.http.clients import REQUEST_ID_KEY
+from eldr_sglang.router.flow.dispatch_parts import DispatchParts, Flight, PrefillResult
+from eldr_sglang.router.flow.relay import Relay
+from eldr_sglang.router.http.responses import error_in_body, error_response
+from eldr_sglang.router.state.routing import Routing
+from eldr_sglang.router.signals.signatures import activation, combine, union
+from eldr_sglang.router.pool.workers import Worker
 
 logger = logging.getLogger("eldr_sglang.router")
 decision_logger = logging.getLogger("eldr_sglang.router.decisions")

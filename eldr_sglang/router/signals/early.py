@@ -21,7 +21,7 @@ import numpy as np
 
 from eldr_sglang.core.policies import RouteRequest
 from eldr_sglang.prompts import default_tokenizer_path, load_tokenizer
-from eldr_sglang.router.scoring import PredictedRouting, path_counter
+from eldr_sglang.router.signals.scoring import PredictedRouting, path_counter
 
 
 class EarlyBinding:

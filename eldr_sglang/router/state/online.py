@@ -4,7 +4,7 @@
 :class:`~eldr_sglang.core.online.OnlineCalibrator`, starts a fit when one is due
 (initial, drift, periodic, membership, manual), runs it off the event loop (a
 one-worker process pool by default: the fit's Python loops must not hold the GIL
-the event loop needs), swaps the result in as one :class:`~eldr_sglang.router.routing.Routing`
+the event loop needs), swaps the result in as one :class:`~eldr_sglang.router.state.routing.Routing`
 value and writes it to ``--calibration-out``. One fit runs at a time; a fit whose
 decode pool changed while it ran is dropped and started again.
 
@@ -27,9 +27,9 @@ import numpy as np
 
 from eldr_sglang.core.online import FitResult, OnlineCalibrator, model_from_message, run_fit
 from eldr_sglang.router.config import RouterConfig
-from eldr_sglang.router.intake import RateLimitedLog
+from eldr_sglang.router.signals.intake import RateLimitedLog
 from eldr_sglang.router.metrics import RouterMetrics
-from eldr_sglang.router.routing import RoutingState
+from eldr_sglang.router.state.routing import RoutingState
 
 logger = logging.getLogger("eldr_sglang.router")
 WINDOW_MAX_BYTES = 2 << 30  # the online window of the shape the first messages vote for

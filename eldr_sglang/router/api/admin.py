@@ -16,13 +16,13 @@ from typing import Any, Awaitable, Callable, Optional
 import orjson
 from aiohttp import web
 
-from eldr_sglang.router.bodies import ADMIN_BODY_BYTES, ADMIN_BODY_KEY, BodyError, read_body
-from eldr_sglang.router.clients import bearer_equals
+from eldr_sglang.router.http.bodies import ADMIN_BODY_BYTES, ADMIN_BODY_KEY, BodyError, read_body
+from eldr_sglang.router.http.clients import bearer_equals
 from eldr_sglang.router.config import RouterConfig
-from eldr_sglang.router.decision_log import DecisionLog
+from eldr_sglang.router.state.decision_log import DecisionLog
 from eldr_sglang.router.metrics import RouterMetrics
-from eldr_sglang.router.online import OnlineController
-from eldr_sglang.router.responses import error_response, json_response
+from eldr_sglang.router.state.online import OnlineController
+from eldr_sglang.router.http.responses import error_response, json_response
 
 logger = logging.getLogger("eldr_sglang.router")
 

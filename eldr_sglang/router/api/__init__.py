@@ -1,0 +1,1 @@
+"""The admin API and the read-only info routes about the workers."""

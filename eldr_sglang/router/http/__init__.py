@@ -1,0 +1,1 @@
+"""HTTP toward clients: bodies and their rules, client conventions (API key, request ids, OpenAI errors, CORS, access log), connection guards, answers, serving on a port."""

@@ -1,0 +1,1 @@
+"""The workers: pool and health, circuit breakers, the upstream HTTP client."""
