@@ -346,11 +346,29 @@ def ms(values) -> str:
 
 
 def summarise(runs: list[dict], g: dict, variants: list[str], wls: list[str]) -> tuple[list[str], dict]:
+    """The markdown tables and every check of the rule, per variant."""
     L, checks = [], []
 
     def check(rule, variant, where, ok, what):
         checks.append(dict(rule=rule, variant=variant, where=where, ok=bool(ok), what=what))
 
+    _locality_table(L, check, runs, wls, variants)
+    _tpot_tables(L, check, runs, g, wls, variants)
+    _stress_table(L, check, runs, wls, variants)
+    verdict = {}
+    _new_against_old(L, runs, wls, variants)
+    for v in variants:
+        mine = [c for c in checks if c["variant"] == v]
+        failed = [c for c in mine if not c["ok"]]
+        verdict[v] = dict(checks=len(mine), failed=failed)
+        L.append(f"- **{v}**: {len(mine) - len(failed)} of {len(mine)} checks pass"
+                 + ("" if not failed else "; fails: " + "; ".join(f"rule ({c['rule']}) {c['where']}: {c['what']}"
+                                                                  for c in failed)))
+    return L, dict(checks=checks, verdict=verdict)
+
+
+def _locality_table(L: list[str], check, runs: list[dict], wls: list[str], variants: list[str]) -> None:
+    """Fewer distinct experts than round robin, per step and at equal batch size (rules a, a')."""
     rates = sorted({r["rate"] for r in runs if r["experiment"] == "locality"})
     if rates:
         L += ["### Locality: fewer distinct experts per decode step than round robin, held-out requests: per step "
@@ -378,6 +396,10 @@ def summarise(runs: list[dict], g: dict, variants: list[str], wls: list[str]) ->
                                  f"B {np.mean([r['batch'] for r in me.values()]):.1f}")
                 rows.append([wl, v, *cells])
         L += [markdown_table(["workload", "policy", *[f"{r:g} req/s" for r in rates]], rows), ""]
+
+
+def _tpot_tables(L: list[str], check, runs: list[dict], g: dict, wls: list[str], variants: list[str]) -> None:
+    """TPOT at the locality loads and near saturation (rules c, d)."""
     for exp, title in (("locality", "TPOT (ms) median / P99 at the locality loads"),
                        ("saturation", f"TPOT (ms) median / P99 near saturation ({g['sat_prefill']} prefill servers)")):
         rates = sorted({r["rate"] for r in runs if r["experiment"] == exp})
@@ -405,6 +427,10 @@ def summarise(runs: list[dict], g: dict, variants: list[str], wls: list[str]) ->
                                   f"median {np.mean(med):.2f} vs eldr {el:.2f} ({100 * (np.mean(med) / el - 1):+.1f}%)")
                 rows.append([wl, v, *cells])
         L += [markdown_table(["workload", "policy", *[f"{r:g} req/s" for r in rates]], rows), ""]
+
+
+def _stress_table(L: list[str], check, runs: list[dict], wls: list[str], variants: list[str]) -> None:
+    """Burst and mix shift: load spread, exceptions, fallbacks (rule b)."""
     stress = [r for r in runs if r["experiment"] in ("burst", "shift")]
     if stress:
         L += ["### Burst (70% one label for 10 s of every 30 s) and shift (calibrated without the label, then 70% "
@@ -429,7 +455,10 @@ def summarise(runs: list[dict], g: dict, variants: list[str], wls: list[str]) ->
                                   f"{fb} fallbacks")
         L += [markdown_table(["scenario", "workload", "req/s", "label", "policy", "max/mean window",
                               "max/mean worst 1 s", "exceptions", "fallbacks", "TPOT median / P99"], rows), ""]
-    verdict = {}
+
+
+def _new_against_old(L: list[str], runs: list[dict], wls: list[str], variants: list[str]) -> None:
+    """The last variant against the first (today's default against the rule it replaced)."""
     if len(variants) > 1:  # the last variant against the first (today's default against the rule it replaced)
         new, old = variants[-1], variants[0]
         for exp in ("locality", "saturation"):
@@ -445,14 +474,6 @@ def summarise(runs: list[dict], g: dict, variants: list[str], wls: list[str]) ->
                 if cells:
                     L.append(f"- {metric} TPOT of {new} against {old}, {exp} loads: " + "; ".join(cells))
         L.append("")
-    for v in variants:
-        mine = [c for c in checks if c["variant"] == v]
-        failed = [c for c in mine if not c["ok"]]
-        verdict[v] = dict(checks=len(mine), failed=failed)
-        L.append(f"- **{v}**: {len(mine) - len(failed)} of {len(mine)} checks pass"
-                 + ("" if not failed else "; fails: " + "; ".join(f"rule ({c['rule']}) {c['where']}: {c['what']}"
-                                                                  for c in failed)))
-    return L, dict(checks=checks, verdict=verdict)
 
 
 INTRO = (

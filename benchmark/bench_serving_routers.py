@@ -419,8 +419,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return parse_with_quick(ap, argv, json=str(quick_out("serving_routers") / "bench_serving_routers.json"))
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    args = parse_args(argv)
+def plan_runs(args: argparse.Namespace) -> tuple[list[str], int, dict, list]:
+    """(paths, repeats, modes, distinct modes) of this run; an unknown path exits."""
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     bad = [p for p in paths if p not in ALL_PATHS]
     if bad:
@@ -434,6 +434,172 @@ def main(argv: Optional[list[str]] = None) -> int:
         modes = {"throughput": ("throughput", args.throughput_concurrency, args.throughput_prompts),
                  "latency": ("latency", 1, args.latency_prompts)}
     mode_list = list(dict.fromkeys(modes.values()))  # smoke: one mode serves both columns
+    return paths, repeats, modes, mode_list
+
+
+def new_doc(argv: Optional[list[str]], repeats: int, modes: dict, paths: list[str], quick: bool) -> dict[str, Any]:
+    """The result document before anything runs: command, environment, configuration, notes."""
+    return {
+        "command": shlex.join([PY, "-m", "benchmark.bench_serving_routers",
+                               *(sys.argv[1:] if argv is None else argv)]),
+        "argv": sys.argv if argv is None else argv,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "environment": _environment(),
+        "config": {"repeats": repeats, "modes": {k: dict(zip(("name", "concurrency", "prompts"), v))
+                                                 for k, v in modes.items()},
+                   "paths": paths, "decode_stubs": N_DECODES, "prefill_stubs": 1,
+                   "stub_stream_chunks": STREAM_CHUNKS, "quick": quick},
+        "notes": [
+            "stubs: 1 prefill + 4 decode, one process each (python -m eldr_sglang.testing.stub_worker); "
+            "no KV handoff across processes: a decode stub answers at once, never waits for its prefill",
+            "direct: bench_serving at one decode stub, no router and no prefill (latency baseline); "
+            "added latency = router cost + the PD prefill hop the router makes",
+            "eldr/eldr-w2 post decode after the prefill's signature (serial); sglang-router and "
+            "eldr-rr post prefill and decode at once",
+        ],
+        "paths": {}, "runs": [],
+    }
+
+
+def start_processes(procs: Procs, paths: list[str], logdir: Path, doc: dict, start_timeout: float) -> dict[str, str]:
+    """Stubs and routers, every one started and answering before anything is measured; {path: url}."""
+    # ---- stubs
+    sp = free_port()
+    prefill = f"http://127.0.0.1:{sp}"
+    stub_procs = [("stub-prefill", procs.start("stub-prefill", stub_cmd("prefill", sp, "p0")))]
+    decodes = []
+    for i in range(N_DECODES):
+        port = free_port()
+        decodes.append(f"http://127.0.0.1:{port}")
+        stub_procs.append((f"stub-d{i}", procs.start(f"stub-d{i}",
+                                                      stub_cmd("decode", port, f"d{i}"))))
+    doc["stubs"] = {"prefill": prefill, "decode": decodes,
+                    "cmd": [shlex.join(stub_cmd("decode", 0, "dN"))]}
+    # ---- routers (all started before anything is measured)
+    art = make_artifact(logdir / "artifact.json")
+    urls: dict[str, str] = {}
+    started: dict[str, subprocess.Popen] = {}
+    for p in paths:
+        if p == "direct":
+            urls[p] = decodes[0]
+            doc["paths"][p] = {"url": urls[p], "cmd": None}
+            continue
+        port = free_port()
+        urls[p] = f"http://127.0.0.1:{port}"
+        cmd = router_cmd(p, port, prefill, decodes, art)
+        doc["paths"][p] = {"url": urls[p], "cmd": shlex.join(cmd)}
+        started[p] = procs.start(p, cmd)
+    for name, proc in stub_procs:
+        idx = name.removeprefix("stub-")
+        url = prefill if idx == "prefill" else decodes[int(idx[1:])]
+        wait_generate(name, url, procs, proc, start_timeout)
+    for p in paths:
+        proc = started.get(p, dict(stub_procs)["stub-d0"])
+        waited = wait_generate(p, urls[p], procs, proc, start_timeout)
+        ok, why = preflight_stream(urls[p])
+        doc["paths"][p]["ready_after_s"] = round(waited, 2)
+        doc["paths"][p]["preflight"] = why
+        print(f"  {p:14s} {urls[p]}  ready, preflight: {why}")
+        if not ok:
+            raise SystemExit(f"\nbench_serving cannot parse {p}'s answers: {why}")
+        for i in range(20):  # warm connections and first-use paths
+            http_json("POST", f"{urls[p]}/generate",
+                      {"text": f"warmup topic:{i % 4}", "sampling_params": {"max_new_tokens": 4}})
+    return urls
+
+
+def run_rounds(procs: Procs, paths: list[str], urls: dict[str, str], mode_list: list, repeats: int, logdir: Path,
+               run_timeout: float, env: dict, doc: dict) -> int:
+    """The interleaved rounds of bench_serving (each round starts at the next path); 1 if a run failed."""
+    rc = 0
+    # ---- interleaved rounds
+    from tqdm import tqdm
+    total = repeats * len(mode_list) * len(paths)
+    pbar = tqdm(total=total, desc="bench_serving runs", unit="run", file=sys.stderr,
+                dynamic_ncols=True)
+    outdir = logdir / "bench"
+    outdir.mkdir()
+    for r in range(repeats):
+        order = paths[r % len(paths):] + paths[:r % len(paths)]
+        for mode, conc, n in mode_list:
+            for p in order:
+                dead = procs.check_alive()
+                if dead:
+                    raise RuntimeError(f"a process died: {dead}")
+                out_file = outdir / f"r{r}-{mode}-{p}.jsonl"
+                cmd = bench_cmd(urls[p], conc, n, str(out_file))
+                pbar.set_postfix_str(f"round {r} {mode} {p}")
+                run = {"round": r, "mode": mode, "path": p, "concurrency": conc, "prompts": n,
+                       "cmd": shlex.join(cmd),
+                       **run_bench(procs, cmd, out_file, run_timeout, env)}
+                doc["runs"].append(run)
+                res = run.get("result")
+                if res:
+                    msg = (f"round {r} {mode:10s} {p:14s} {res['request_throughput']:8.1f} req/s  "
+                           f"p50 {res['median_e2e_latency_ms']:7.3f} ms  "
+                           f"p99 {res['p99_e2e_latency_ms']:7.3f} ms  "
+                           f"completed {res['completed']}/{n}  ({run['wall_s']:.0f}s)")
+                else:
+                    msg = (f"round {r} {mode:10s} {p:14s} FAILED rc={run['returncode']}: "
+                           f"{run.get('error', '')[-400:]}")
+                    rc = 1
+                pbar.write(msg)
+                pbar.update(1)
+    pbar.close()
+    return rc
+
+
+def summarise_routers(doc: dict, paths: list[str], urls: dict[str, str], modes: dict, repeats: int,
+                      quick: bool) -> None:
+    """The routers' own status after the runs, the summary and its targets, printed."""
+    for p in paths:
+        if p.startswith("eldr"):
+            doc["paths"][p]["after"] = router_status(p, urls[p])
+    thr_mode, lat_mode = modes["throughput"][0], modes["latency"][0]
+    summary = summarize(doc["runs"], paths, thr_mode, lat_mode)
+    doc["summary"] = summary
+    doc["targets"] = targets(summary)
+    print_table(summary, doc["targets"], modes, repeats, quick)
+    for p in paths:
+        after = doc["paths"][p].get("after")
+        if after:
+            st = after.get("status", {})
+            c = st.get("counters") or {}
+            al = after.get("added_latency_metric") or {}
+            sw = after.get("signature_wait_metric") or {}
+            print(f"  {p} (/eldr/status of one process): requests {c.get('requests')}, decisions "
+                  f"{c.get('decisions')}, signatures_used {c.get('signatures_used')}, fallbacks "
+                  f"{c.get('fallbacks', 0)}; added-latency metric p50/p99 <= "
+                  f"{al.get('p50_le_ms')}/{al.get('p99_le_ms')} ms (n={al.get('count')}, "
+                  f"{(al.get('buckets') or {}).get('1e-05')} in the <= 10 us bucket); signature "
+                  f"wait p50/p99 <= {sw.get('p50_le_ms')}/{sw.get('p99_le_ms')} ms")
+
+
+def finish(procs: Procs, doc: dict, args: argparse.Namespace, argv: Optional[list[str]], logdir: Path, rc: int,
+           t_start: float) -> None:
+    """Stop every process, keep crash logs, write the JSON, keep or remove the logs."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    crashed = procs.check_alive()
+    if crashed:
+        doc["process_exits_before_stop"] = crashed
+        for name, _, _ in procs.items:
+            if any(c.startswith(name + " ") for c in crashed) and not name.startswith("bench-"):
+                doc.setdefault("crash_logs", {})[name] = procs.log_tail(name)
+    procs.stop_all()
+    doc["wall_s"] = round(time.monotonic() - t_start, 1)
+    if args.json and doc["runs"]:
+        write_record(args.json, doc, argv, script=__file__)
+        print(f"\nwrote {args.json} ({doc['wall_s']:.0f}s in all)")
+    if args.keep_logs or rc not in (0, 130):
+        print(f"logs kept in {logdir}")
+    else:
+        import shutil
+        shutil.rmtree(logdir, ignore_errors=True)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    paths, repeats, modes, mode_list = plan_runs(args)
 
     # SIGTERM -> the same clean exit as Ctrl-C
     def on_term(*_: Any) -> None:
@@ -445,130 +611,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     t_start = time.monotonic()
-    doc: dict[str, Any] = {
-        "command": shlex.join([PY, "-m", "benchmark.bench_serving_routers",
-                               *(sys.argv[1:] if argv is None else argv)]),
-        "argv": sys.argv if argv is None else argv,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "environment": _environment(),
-        "config": {"repeats": repeats, "modes": {k: dict(zip(("name", "concurrency", "prompts"), v))
-                                                 for k, v in modes.items()},
-                   "paths": paths, "decode_stubs": N_DECODES, "prefill_stubs": 1,
-                   "stub_stream_chunks": STREAM_CHUNKS, "quick": args.quick},
-        "notes": [
-            "stubs: 1 prefill + 4 decode, one process each (python -m eldr_sglang.testing.stub_worker); "
-            "no KV handoff across processes: a decode stub answers at once, never waits for its prefill",
-            "direct: bench_serving at one decode stub, no router and no prefill (latency baseline); "
-            "added latency = router cost + the PD prefill hop the router makes",
-            "eldr/eldr-w2 post decode after the prefill's signature (serial); sglang-router and "
-            "eldr-rr post prefill and decode at once",
-        ],
-        "paths": {}, "runs": [],
-    }
+    doc = new_doc(argv, repeats, modes, paths, args.quick)
     print(f"cores: {os.cpu_count()}, load average {os.getloadavg()[0]:.2f}; logs in {logdir}")
     for n in doc["notes"]:
         print(f"  note: {n}")
     rc = 0
     try:
-        # ---- stubs
-        sp = free_port()
-        prefill = f"http://127.0.0.1:{sp}"
-        stub_procs = [("stub-prefill", procs.start("stub-prefill", stub_cmd("prefill", sp, "p0")))]
-        decodes = []
-        for i in range(N_DECODES):
-            port = free_port()
-            decodes.append(f"http://127.0.0.1:{port}")
-            stub_procs.append((f"stub-d{i}", procs.start(f"stub-d{i}",
-                                                          stub_cmd("decode", port, f"d{i}"))))
-        doc["stubs"] = {"prefill": prefill, "decode": decodes,
-                        "cmd": [shlex.join(stub_cmd("decode", 0, "dN"))]}
-        # ---- routers (all started before anything is measured)
-        art = make_artifact(logdir / "artifact.json")
-        urls: dict[str, str] = {}
-        started: dict[str, subprocess.Popen] = {}
-        for p in paths:
-            if p == "direct":
-                urls[p] = decodes[0]
-                doc["paths"][p] = {"url": urls[p], "cmd": None}
-                continue
-            port = free_port()
-            urls[p] = f"http://127.0.0.1:{port}"
-            cmd = router_cmd(p, port, prefill, decodes, art)
-            doc["paths"][p] = {"url": urls[p], "cmd": shlex.join(cmd)}
-            started[p] = procs.start(p, cmd)
-        for name, proc in stub_procs:
-            idx = name.removeprefix("stub-")
-            url = prefill if idx == "prefill" else decodes[int(idx[1:])]
-            wait_generate(name, url, procs, proc, args.start_timeout)
-        for p in paths:
-            proc = started.get(p, dict(stub_procs)["stub-d0"])
-            waited = wait_generate(p, urls[p], procs, proc, args.start_timeout)
-            ok, why = preflight_stream(urls[p])
-            doc["paths"][p]["ready_after_s"] = round(waited, 2)
-            doc["paths"][p]["preflight"] = why
-            print(f"  {p:14s} {urls[p]}  ready, preflight: {why}")
-            if not ok:
-                raise SystemExit(f"\nbench_serving cannot parse {p}'s answers: {why}")
-            for i in range(20):  # warm connections and first-use paths
-                http_json("POST", f"{urls[p]}/generate",
-                          {"text": f"warmup topic:{i % 4}", "sampling_params": {"max_new_tokens": 4}})
+        urls = start_processes(procs, paths, logdir, doc, args.start_timeout)
         doc["startup_s"] = round(time.monotonic() - t_start, 1)
-
-        # ---- interleaved rounds
-        from tqdm import tqdm
-        total = repeats * len(mode_list) * len(paths)
-        pbar = tqdm(total=total, desc="bench_serving runs", unit="run", file=sys.stderr,
-                    dynamic_ncols=True)
-        outdir = logdir / "bench"
-        outdir.mkdir()
-        for r in range(repeats):
-            order = paths[r % len(paths):] + paths[:r % len(paths)]
-            for mode, conc, n in mode_list:
-                for p in order:
-                    dead = procs.check_alive()
-                    if dead:
-                        raise RuntimeError(f"a process died: {dead}")
-                    out_file = outdir / f"r{r}-{mode}-{p}.jsonl"
-                    cmd = bench_cmd(urls[p], conc, n, str(out_file))
-                    pbar.set_postfix_str(f"round {r} {mode} {p}")
-                    run = {"round": r, "mode": mode, "path": p, "concurrency": conc, "prompts": n,
-                           "cmd": shlex.join(cmd),
-                           **run_bench(procs, cmd, out_file, args.run_timeout, env)}
-                    doc["runs"].append(run)
-                    res = run.get("result")
-                    if res:
-                        msg = (f"round {r} {mode:10s} {p:14s} {res['request_throughput']:8.1f} req/s  "
-                               f"p50 {res['median_e2e_latency_ms']:7.3f} ms  "
-                               f"p99 {res['p99_e2e_latency_ms']:7.3f} ms  "
-                               f"completed {res['completed']}/{n}  ({run['wall_s']:.0f}s)")
-                    else:
-                        msg = (f"round {r} {mode:10s} {p:14s} FAILED rc={run['returncode']}: "
-                               f"{run.get('error', '')[-400:]}")
-                        rc = 1
-                    pbar.write(msg)
-                    pbar.update(1)
-        pbar.close()
-        for p in paths:
-            if p.startswith("eldr"):
-                doc["paths"][p]["after"] = router_status(p, urls[p])
-        thr_mode, lat_mode = modes["throughput"][0], modes["latency"][0]
-        summary = summarize(doc["runs"], paths, thr_mode, lat_mode)
-        doc["summary"] = summary
-        doc["targets"] = targets(summary)
-        print_table(summary, doc["targets"], modes, repeats, args.quick)
-        for p in paths:
-            after = doc["paths"][p].get("after")
-            if after:
-                st = after.get("status", {})
-                c = st.get("counters") or {}
-                al = after.get("added_latency_metric") or {}
-                sw = after.get("signature_wait_metric") or {}
-                print(f"  {p} (/eldr/status of one process): requests {c.get('requests')}, decisions "
-                      f"{c.get('decisions')}, signatures_used {c.get('signatures_used')}, fallbacks "
-                      f"{c.get('fallbacks', 0)}; added-latency metric p50/p99 <= "
-                      f"{al.get('p50_le_ms')}/{al.get('p99_le_ms')} ms (n={al.get('count')}, "
-                      f"{(al.get('buckets') or {}).get('1e-05')} in the <= 10 us bucket); signature "
-                      f"wait p50/p99 <= {sw.get('p50_le_ms')}/{sw.get('p99_le_ms')} ms")
+        rc = run_rounds(procs, paths, urls, mode_list, repeats, logdir, args.run_timeout, env, doc)
+        summarise_routers(doc, paths, urls, modes, repeats, args.quick)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping every process started", file=sys.stderr)
         doc["interrupted"] = True
@@ -578,23 +630,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         doc["error"] = str(e)
         rc = 2
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        crashed = procs.check_alive()
-        if crashed:
-            doc["process_exits_before_stop"] = crashed
-            for name, _, _ in procs.items:
-                if any(c.startswith(name + " ") for c in crashed) and not name.startswith("bench-"):
-                    doc.setdefault("crash_logs", {})[name] = procs.log_tail(name)
-        procs.stop_all()
-        doc["wall_s"] = round(time.monotonic() - t_start, 1)
-        if args.json and doc["runs"]:
-            write_record(args.json, doc, argv, script=__file__)
-            print(f"\nwrote {args.json} ({doc['wall_s']:.0f}s in all)")
-        if args.keep_logs or rc not in (0, 130):
-            print(f"logs kept in {logdir}")
-        else:
-            import shutil
-            shutil.rmtree(logdir, ignore_errors=True)
+        finish(procs, doc, args, argv, logdir, rc, t_start)
     return rc
 
 

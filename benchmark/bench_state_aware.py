@@ -319,6 +319,7 @@ def pm(s: dict, m: str, digits: int = 2) -> str:
 
 
 def render(doc: dict) -> str:
+    """The sweep's markdown page: header, setup, verdict, then one table per section."""
     runs, st = doc["runs"], doc["settings"]
     grid = doc["grid"]
     wls, pools, rates, seeds = grid["workloads"], grid["pools"], grid["rates"], grid["seeds"]
@@ -326,6 +327,20 @@ def render(doc: dict) -> str:
     n_expected = len(wls) * len(pools) * len(rates) * len(seeds) * len(POLICIES)
     L: list[str] = []
     w = L.append
+    _header(w, doc, st, runs, n_expected)
+    _setup(w, doc, st, wls, pools, rates, seeds)
+    dec = decision(runs, wls, pools, rates)
+    w("## Verdict\n")
+    w(verdict_text(doc, dec) + "\n")
+    _paired_table(w, runs, wls, pools, rates)
+    _goodput_table(w, runs, wls, pools, rates, pols)
+    _decision_table(w, dec)
+    _per_pool_tables(w, runs, st, wls, pools, rates, pols)
+    return "\n".join(L) + "\n"
+
+
+def _header(w, doc: dict, st: dict, runs: list[dict], n_expected: int) -> None:
+    """Title, what is simulated, the commands, the runs' count and time, superseded runs, notes."""
     w("# State-aware decode routing vs ELDR and baselines: SIMULATED\n")
     w("**Every number in this file is SIMULATED** (discrete-event simulator `eldr_sglang/sim/simulator.py` + "
       "analytic step-time cost model `eldr_sglang/sim/cost_model.py`, cost set `" + st["cost"] + "`), driven by "
@@ -357,6 +372,10 @@ def render(doc: dict) -> str:
         w(line + ".\n")
     for note in doc.get("notes", []):
         w(f"Note: {note}\n")
+
+
+def _setup(w, doc: dict, st: dict, wls, pools, rates, seeds) -> None:
+    """Workloads, cluster, windows, lengths, seeds, policies, layers."""
     w("## Setup\n")
     for name, src in doc.get("sources", {}).items():
         w(f"- workload **{name}**: {src}")
@@ -383,10 +402,9 @@ def render(doc: dict) -> str:
       "model's 128 experts; load CV = coefficient of variation over servers of the mean in-flight count seen at "
       "dispatch; mean batch = running sequences per decode step\n")
 
-    dec = decision(runs, wls, pools, rates)
-    w("## Verdict\n")
-    w(verdict_text(doc, dec) + "\n")
 
+def _paired_table(w, runs: list[dict], wls, pools, rates) -> None:
+    """state_aware minus ELDR, paired by seed."""
     w("## state_aware minus ELDR (paired by seed)\n")
     w("Per-seed difference state_aware - eldr (negative = state_aware better), mean ± sd over seeds, and the "
       "number of seeds in which state_aware is better.\n")
@@ -408,6 +426,9 @@ def render(doc: dict) -> str:
                       "mean batch sa / eldr", "load CV sa / eldr"], cells))
     w("")
 
+
+def _goodput_table(w, runs: list[dict], wls, pools, rates, pols) -> None:
+    """Goodput at a P99 TPOT target per workload and pool."""
     w("## Goodput at a P99 TPOT target\n")
     w(f"T = {GOODPUT_FACTOR:g} x the lowest seed-mean P99 TPOT among all policies at {min(rates):g} req/s for that "
       "(workload, K). Goodput = the highest grid rate such that the seed-mean P99 TPOT is <= T at that rate and at "
@@ -428,6 +449,9 @@ def render(doc: dict) -> str:
           "load (bigger batches, more distinct experts per step), so this goodput only separates policies at the "
           "low rates; the P99 columns above carry the finer comparison.\n")
 
+
+def _decision_table(w, dec: dict) -> None:
+    """The decision rule's checks."""
     w("## Decision rule, evaluated\n")
     w(f"Rule (issue): state_aware becomes the recommended policy only if it beats ELDR's median TPOT on both "
       f"workloads at >= {DECISION_RATE:g} req/s (here: every K) without a worse P99 TPOT at any load (every rate, "
@@ -439,6 +463,9 @@ def render(doc: dict) -> str:
          for name, checks in (("median", dec["median"]), ("P99", dec["p99"])) for c in checks]))
     w("")
 
+
+def _per_pool_tables(w, runs: list[dict], st: dict, wls, pools, rates, pols) -> None:
+    """Every policy per workload and decode pool."""
     w("## Per workload and decode pool: all policies (simulated)\n")
     for wl in wls:
         for k in pools:
@@ -463,7 +490,7 @@ def render(doc: dict) -> str:
                               "load CV", "mean batch"], cells))
             w("")
     w("Bold: lowest seed-mean of the rate (the oracle included).\n")
-    return "\n".join(L) + "\n"
+
 
 
 def layer_summary(lay: dict, wl: str, k: int) -> str:
@@ -543,6 +570,53 @@ def verdict_text(doc: dict, dec: dict) -> str:
     return " ".join(parts)
 
 
+def resume_from(doc: dict, old: dict, a: argparse.Namespace, command: str) -> None:
+    """``--resume``: the saved runs, sources, layers, times and history of ``old`` (``--redo``: the named
+    policies' runs moved to ``superseded_runs``)."""
+    doc["runs"] = old["runs"]
+    doc["sources"].update(old.get("sources", {}))
+    doc["layers"].update(old.get("layers", {}))
+    doc["estimate"] = old.get("estimate")
+    if "cpu_s" in old:
+        doc["cpu_s"] = old["cpu_s"]
+    doc["wall_s_previous"] = old.get("wall_s", 0.0) + old.get("wall_s_previous", 0.0)
+    doc["commands_previous"] = old.get("commands_previous", []) + [old.get("command")]
+    doc["git_previous"] = old.get("git_previous", []) + ([old["git"]] if old.get("git") else [])
+    doc["superseded_runs"] = old.get("superseded_runs", [])
+    doc["notes"] = old.get("notes", [])
+    if a.redo_list:
+        reason = f"superseded by a --redo run ({command})"
+        doc["superseded_runs"] += [dict(r, superseded=reason) for r in doc["runs"] if r["policy"] in a.redo_list]
+        doc["runs"] = [r for r in doc["runs"] if r["policy"] not in a.redo_list]
+        print(f"--redo: {len(doc['superseded_runs'])} runs of {', '.join(a.redo_list)} moved to superseded_runs")
+    print(f"resume: {len(doc['runs'])} runs already in {a.json_path}")
+
+
+def simulate_points(a: argparse.Namespace, doc: dict, datas: dict, todo: list[tuple], t_start: float, c_start: float,
+                    cpu_before: float) -> None:
+    """Simulate every point still to do, saving the JSON after each."""
+    from tqdm import tqdm
+
+    routing_key, routing, acts = None, None, None
+    bar = tqdm(todo, desc="simulate", file=sys.stderr, dynamic_ncols=True)
+    for wl, k, seed, rate, p in bar:
+        bar.set_postfix_str(f"{wl} K={k} s={seed} {rate:g}/s {p}")
+        if routing_key != (wl, k, seed):
+            routing = routing_for(datas[wl], k, seed, a)
+            acts = prefill_activations(datas[wl].evaluation, routing.layers)
+            routing_key = (wl, k, seed)
+            doc["layers"][f"{wl} K={k} seed={seed}"] = list(routing.layers)
+        cfg = replace(base_config(a), num_decode=k, rate=rate, seed=seed)
+        row = run_point(datas[wl], routing, acts, p, cfg)
+        if not row["conserved"]:
+            raise RuntimeError(f"request conservation failed: {wl} K={k} seed={seed} rate={rate} {p}")
+        doc["runs"].append(row)
+        doc["wall_s"] = time.perf_counter() - t_start
+        doc["cpu_s"] = cpu_before + time.process_time() - c_start
+        save(a.json_path, doc)
+    bar.close()
+
+
 # -- main ---------------------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
@@ -566,27 +640,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"--resume: settings in {a.json_path} differ from this run's:\n  {old.get('settings')}\n  {settings}",
                   file=sys.stderr)
             return 2
-        doc["runs"] = old["runs"]
-        doc["sources"].update(old.get("sources", {}))
-        doc["layers"].update(old.get("layers", {}))
-        doc["estimate"] = old.get("estimate")
-        if "cpu_s" in old:
-            doc["cpu_s"] = old["cpu_s"]
-        doc["wall_s_previous"] = old.get("wall_s", 0.0) + old.get("wall_s_previous", 0.0)
-        doc["commands_previous"] = old.get("commands_previous", []) + [old.get("command")]
-        doc["git_previous"] = old.get("git_previous", []) + ([old["git"]] if old.get("git") else [])
-        doc["superseded_runs"] = old.get("superseded_runs", [])
-        doc["notes"] = old.get("notes", [])
-        if a.redo_list:
-            reason = f"superseded by a --redo run ({command})"
-            doc["superseded_runs"] += [dict(r, superseded=reason) for r in doc["runs"] if r["policy"] in a.redo_list]
-            doc["runs"] = [r for r in doc["runs"] if r["policy"] not in a.redo_list]
-            print(f"--redo: {len(doc['superseded_runs'])} runs of {', '.join(a.redo_list)} moved to superseded_runs")
-        print(f"resume: {len(doc['runs'])} runs already in {a.json_path}")
+        resume_from(doc, old, a, command)
     doc["git"] = git_state()
     done = {key_of(r) for r in doc["runs"]}
-
-    from tqdm import tqdm
 
     datas = {}
     for wl in a.workload_list:
@@ -618,24 +674,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     t_start, c_start = time.perf_counter(), time.process_time()
     cpu_before = doc.get("cpu_s", 0.0) if a.resume else 0.0
-    routing_key, routing, acts = None, None, None
-    bar = tqdm(todo, desc="simulate", file=sys.stderr, dynamic_ncols=True)
-    for wl, k, seed, rate, p in bar:
-        bar.set_postfix_str(f"{wl} K={k} s={seed} {rate:g}/s {p}")
-        if routing_key != (wl, k, seed):
-            routing = routing_for(datas[wl], k, seed, a)
-            acts = prefill_activations(datas[wl].evaluation, routing.layers)
-            routing_key = (wl, k, seed)
-            doc["layers"][f"{wl} K={k} seed={seed}"] = list(routing.layers)
-        cfg = replace(base_config(a), num_decode=k, rate=rate, seed=seed)
-        row = run_point(datas[wl], routing, acts, p, cfg)
-        if not row["conserved"]:
-            raise RuntimeError(f"request conservation failed: {wl} K={k} seed={seed} rate={rate} {p}")
-        doc["runs"].append(row)
-        doc["wall_s"] = time.perf_counter() - t_start
-        doc["cpu_s"] = cpu_before + time.process_time() - c_start
-        save(a.json_path, doc)
-    bar.close()
+    simulate_points(a, doc, datas, todo, t_start, c_start, cpu_before)
     doc["wall_s"] = time.perf_counter() - t_start
     doc["cpu_s"] = cpu_before + time.process_time() - c_start
     doc["complete"] = {key_of(r) for r in doc["runs"]} >= {(w, k, r, s, p) for w, k, s, r, p in points}

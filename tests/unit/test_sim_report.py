@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmark import bench_default_policy, report
+from benchmark import bench_default_policy, report, rules
 
 
 def test_quick_report_writes_results_and_plots(tmp_path):
@@ -43,9 +43,9 @@ def test_seeds_vary_calibration_and_arrivals_and_spread_is_reported(tmp_path):
 
 def test_goodput_is_the_first_crossing_of_the_p99_target():
     rows = [{"rate": r, "tpot_p99_ms": t} for r, t in ((10, 5.0), (20, 8.0), (30, 12.0), (40, 9.0))]
-    assert report.goodput_of(rows, 10.0) == (25.0, "")  # 8 -> 12 crosses 10 halfway
-    assert report.goodput_of(rows, 20.0) == (40, ">=")
-    assert report.goodput_of(rows, 4.0) == (10, "<")
+    assert rules.goodput_of(rows, 10.0) == (25.0, "")  # 8 -> 12 crosses 10 halfway
+    assert rules.goodput_of(rows, 20.0) == (40, ">=")
+    assert rules.goodput_of(rows, 4.0) == (10, "<")
 
 
 @pytest.mark.parametrize("argv, flag", [
