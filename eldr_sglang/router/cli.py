@@ -179,6 +179,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.mode == "colocated":  # whole requests across plain servers (eldr_sglang.router.colocated)
         if not args.worker or args.prefill or args.decode:
             p.error("--mode colocated takes --worker URL (repeat), not --prefill/--decode")
+        pd_only = [flag for flag, on in (("--online", args.online), ("--shadow-policy", args.shadow_policy),
+                                         ("--signature-port", args.signature_port is not None)) if on]
+        if pd_only:
+            p.error(f"{', '.join(pd_only)}: the PD flow's only (they read measured signature "
+                    "messages, which co-located servers do not send)")
         try:
             args.worker = [validate_worker_url(u) for u in args.worker]
             args.router_config = config_of(args)

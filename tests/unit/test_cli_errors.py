@@ -162,3 +162,16 @@ def test_deploy_unknown_router_policy(tmp_path, capsys, command):
     doc["router"]["policy"] = "nope"
     err = refused(deploy_main, [command, write(tmp_path / "c.yaml", yaml.safe_dump(doc))], capsys)
     assert err.startswith("error: router.policy: unknown policy 'nope'"), err
+
+
+@pytest.mark.parametrize("extra,named", [
+    (["--online"], "--online"),
+    (["--shadow-policy", "jsq"], "--shadow-policy"),
+    (["--signature-port", "0"], "--signature-port"),
+])
+def test_colocated_mode_refuses_the_pd_flows_signature_settings(capsys, extra, named):
+    """They read measured signature messages, which co-located servers never send: refused
+    by name, not silently ignored."""
+    err = refused(router_cli.main, ["--mode", "colocated", "--worker", "http://127.0.0.1:30001",
+                                    "--policy", "round_robin", *extra], capsys)
+    assert named in err and "PD flow" in err, err
