@@ -140,22 +140,6 @@ def run_sweeps(args: argparse.Namespace, sweep: experiments.SweepConfig, work_di
     return runs, info
 
 
-# -- analysis -----------------------------------------------------------------------------------------------
-
-
-def goodput_of(rows: list[dict], target_ms: float) -> tuple[float, str]:
-    """Highest load whose P99 TPOT meets ``target_ms`` (linear between swept loads, at the
-    first crossing); the flag is "" or ">=" (met at every swept load) or "<" (at none)."""
-    rows = sorted(rows, key=lambda r: r["rate"])
-    if not rows or rows[0]["tpot_p99_ms"] > target_ms:
-        return (rows[0]["rate"] if rows else float("nan")), "<"
-    for lo, hi in zip(rows, rows[1:]):
-        if hi["tpot_p99_ms"] > target_ms:
-            f = (target_ms - lo["tpot_p99_ms"]) / (hi["tpot_p99_ms"] - lo["tpot_p99_ms"])
-            return lo["rate"] + f * (hi["rate"] - lo["rate"]), ""
-    return rows[-1]["rate"], ">="
-
-
 # -- plots --------------------------------------------------------------------------------------------------
 def plots(runs, sweep, workloads, res_dir: Path) -> list[str]:
     import matplotlib
