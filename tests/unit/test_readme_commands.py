@@ -348,13 +348,19 @@ def make_targets() -> frozenset[str]:
 
 @functools.lru_cache(maxsize=None)
 def router_routes() -> frozenset[str]:
-    """Paths the ELDR router registers (string literals of its route table)."""
-    src = (ROOT / "eldr_sglang" / "router" / "app.py").read_text()
-    routes: set[str] = set()
-    for line in src.splitlines():
-        if re.search(r"\badd_(get|post|put|delete|patch|route)\(|\bfor path in\b", line):
-            routes.update(re.findall(r"""["'](/[\w/.-]*)["']""", line))
-    return frozenset(routes)
+    """Paths the ELDR router serves: the route table of a PD router's app and a
+    co-located one's, built (nothing started, no worker reached)."""
+    code = ("from eldr_sglang.router.app import Router\n"
+            "from eldr_sglang.router.colocated import ColocatedRouter\n"
+            "kw = dict(health_interval=0, load_interval=0)\n"
+            "apps = [Router([('http://127.0.0.1:9', None)], ['http://127.0.0.1:10'], 'round_robin', **kw),\n"
+            "        ColocatedRouter(['http://127.0.0.1:10'], policy='round_robin', **kw)]\n"
+            "for r in apps:\n"
+            "    for res in r.build_app().router.resources():\n"
+            "        print(res.canonical)\n")
+    done = _run([sys.executable, "-c", code])
+    assert done.returncode == 0, done.stderr[-2000:]
+    return frozenset(done.stdout.split())
 
 
 # ---------------------------------------------------------------- checks
