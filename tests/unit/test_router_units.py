@@ -105,3 +105,47 @@ def test_counters_view_reads_the_prometheus_registry():
     assert c["fallbacks{reason=timeout}"] == 2
     assert m.value("fallbacks", reason="timeout") == 2
     assert m.value("signature_wait_seconds_count") == 1  # deferred observations flushed on read
+
+
+def test_upper_quantile_is_numpys_linear_quantile():
+    import numpy as np
+
+    from eldr_sglang.router.signals.signatures import upper_quantile
+
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 31, 32, 100, 512):
+        xs = list(rng.exponential(0.05, n))
+        for q in (0.9, 0.99):
+            assert upper_quantile(xs, q) == pytest.approx(float(np.quantile(xs, q)), rel=1e-12, abs=0)
+
+
+def test_deferred_histogram_gives_what_observe_gives():
+    """A flush puts every value where ``observe`` would (bucket and sum, in order),
+    including ints, numpy floats, infinities and NaN; a bad value is dropped alone."""
+    import numpy as np
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from eldr_sglang.router.metrics import Deferred
+
+    def samples(values, deferred):
+        h = Histogram("h", "h", buckets=(0.1, 0.5, 1, 2.5), registry=CollectorRegistry())
+        if deferred:
+            d = Deferred(h)
+            for v in values:
+                d.observe(v)
+            d.flush()
+        else:
+            for v in values:
+                try:
+                    h.observe(v)
+                except (TypeError, ValueError):
+                    pass
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value for s in h.collect()[0].samples
+                if not s.name.endswith("_created")}
+
+    values = [0.1, 0.1000001, 0.5, 3, np.float32(0.3), np.float64(2.5), float("inf"), -1.0, 0.7, 1e-9, 2]
+    assert samples(values, True) == samples(values, False)
+    with_nan, direct = samples([0.2, float("nan"), 0.4], True), samples([0.2, float("nan"), 0.4], False)
+    assert with_nan.keys() == direct.keys() and np.isnan(with_nan[("h_sum", ())])
+    assert all(v == direct[k] for k, v in with_nan.items() if k != ("h_sum", ()))
+    assert samples([0.2, "bad", 0.4], True) == samples([0.2, 0.4], False)

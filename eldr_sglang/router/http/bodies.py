@@ -59,6 +59,12 @@ async def read_body(request: web.Request, limit: int, timeout: Optional[float]) 
     if (request.content_length or 0) > limit:
         raise BodyError(f"request body too large: {request.content_length} bytes, this route "
                         f"takes at most {limit}", 413)
+    content = request.content
+    if content.is_eof():  # all of it arrived with the headers: no timer, no wait
+        data = content.read_nowait()
+        if len(data) > limit:
+            raise BodyError(f"request body too large: over {limit} bytes", 413)
+        return data
     chunks: list[bytes] = []
     size = 0
     try:

@@ -188,7 +188,6 @@ class WorkerPool:
         w.requests += 1
         ticket = w.breaker.ticket()
         w.metrics.requests.inc()
-        w.metrics.inflight.set(w.inflight)
         if ticket.trial:
             w.update_gauges()
         return ticket
@@ -196,8 +195,7 @@ class WorkerPool:
     def leave(self, w: Worker, ticket: Ticket) -> None:
         """The request is over: its ticket ends here if nothing gave a verdict."""
         w.inflight -= 1
-        ticket.close()
-        w.metrics.inflight.set(w.inflight)
+        ticket.close()  # the in-flight gauge is set at scrape time (update_gauges)
 
     def success(self, w: Worker, ticket: Ticket) -> None:
         if ticket.success():

@@ -116,6 +116,8 @@ class SignatureIntake:
                  line_timeout: Optional[float] = 10.0,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.board, self.metrics, self.max_bytes = board, metrics, max_bytes
+        self._delivered, self._unclaimed = (metrics.signatures.labels("delivered"),
+                                            metrics.signatures.labels("unclaimed"))
         self.max_age, self.wall_clock = max_age, wall_clock
         # a replayed message passes the age check for at most 2 x max_age after the first
         self.seen = SeenRooms(2 * max_age)
@@ -200,10 +202,10 @@ class SignatureIntake:
                 continue
             if self.board.post(m, buffer=self.buffering()):
                 delivered += 1
-                self.metrics.signatures.labels("delivered").inc()
+                self._delivered.inc()
             else:
                 buffered += 1
-                self.metrics.signatures.labels("unclaimed").inc()
+                self._unclaimed.inc()
         return delivered, buffered, errors
 
     # ------------------------------------------------------------ HTTP

@@ -8,10 +8,11 @@ so a new artifact with the same layers needs no engine restart.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import math
 import time
 from collections import OrderedDict, deque
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -104,6 +105,17 @@ class SignatureBoard:
             fut.cancel()
 
 
+def upper_quantile(values: Sequence[float], q: float) -> float:
+    """``np.quantile(values, q)`` (linear) for q near 1, from the few largest values only."""
+    n = len(values)
+    pos = (n - 1) * q
+    lo = int(pos)
+    top = heapq.nlargest(n - lo, values)  # descending; top[-1] is the lo-th smallest
+    a = top[-1]
+    b = top[-2] if len(top) > 1 else a
+    return float(a + (b - a) * (pos - lo))
+
+
 class WaitLimit:
     """The signature wait: ``factor`` x p99 of recent waits, within [``floor``, ``ceiling``].
 
@@ -124,8 +136,7 @@ class WaitLimit:
         self._since += 1
         if self.factor > 0 and len(self.samples) >= self.min_samples and self._since >= self.every:
             self._since = 0
-            p99 = float(np.quantile(np.fromiter(self.samples, float), 0.99))
-            self.value = min(self.ceiling, max(self.floor, self.factor * p99))
+            self.value = min(self.ceiling, max(self.floor, self.factor * upper_quantile(self.samples, 0.99)))
 
 
 class SignatureEncoder:

@@ -19,7 +19,8 @@ logger = logging.getLogger("eldr_sglang.router")
 
 class Admission:
     """``refusal()`` -> None or the 503/429 answer; ``enter()``/``leave()`` around
-    every admitted request; ``drain(timeout)`` closes the gate and waits for idle."""
+    every admitted request; ``drain(timeout)`` closes the gate and waits for idle.
+    The in-flight gauge is set when ``/metrics`` is scraped, not per request."""
 
     def __init__(self, config: RouterConfig, metrics: RouterMetrics, runtime: Runtime) -> None:
         self.config, self.metrics, self.runtime = config, metrics, runtime
@@ -43,13 +44,11 @@ class Admission:
     def enter(self) -> None:
         self.active += 1
         self.idle.clear()
-        self.metrics.client_requests.set(self.active)
 
     def leave(self) -> None:
         self.active -= 1
         if self.active == 0:
             self.idle.set()
-        self.metrics.client_requests.set(self.active)
 
     def bind_loop(self) -> None:
         """A fresh idle event on the serving loop (the router may be built outside it)."""
