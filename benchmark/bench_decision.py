@@ -8,7 +8,7 @@ allowed mask, ``policy.explain``, metrics) + the decision log entry. Each piece 
 over many calls after a warm-up; medians and p99 in microseconds. ``decide_admit_release``
 is the policy's whole share of a request (decide, then the admit and release
 bookkeeping of a policy that tracks live batches); its target is <= 20 us p50 at 24
-servers with every layer of a 48 x 128 model published (6,144 dimensions), issue 38.
+servers with every layer of a 48 x 128 model published (6,144 dimensions).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ decode stubs (``eldr_sglang.testing.stub_worker``) and ``--clients`` client loop
 here, on loopback. Every few seconds one fault, in turn:
 
 * ``prefill_500``: the prefill answers 500 after its signature and its latency, while
-  the decode POST is in flight (the connection-leak case of issue 35);
+  the decode POST is in flight (the connection-leak case);
 * ``decode_kill``: a decode stub is stopped, then started again on its port;
 * ``decode_freeze``: a decode stub stops answering anything (health included), then thaws;
 * ``bad_signatures``: unsigned, wrongly signed, malformed and stale messages on HTTP and

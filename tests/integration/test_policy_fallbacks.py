@@ -1,4 +1,4 @@
-"""A decision counts at most one fallback (issue 35, defect 11: eldr_balanced counted a
+"""A decision counts at most one fallback (eldr_balanced counted a
 signature of other layers twice, as layer_mismatch and as policy_mismatch), and a
 decision the policy could not make by its own rule is counted with its reason."""
 

@@ -1,4 +1,4 @@
-"""Round three of the hostile matrix (issue 35): every byte from the network bounded,
+"""Round three of the hostile matrix: every byte from the network bounded,
 every signature fresh, nothing leaks (stub workers)."""
 
 from __future__ import annotations
@@ -424,7 +424,7 @@ async def test_signature_lines_of_any_shape_do_not_stall_the_event_loop():
 
 async def test_idle_signature_connections_never_take_the_client_ports_descriptors():
     """A router limited to 256 open files; 400 idle connections to its signature port;
-    client requests are still served (issue 35: 1,010 idle connections under
+    client requests are still served (1,010 idle connections under
     ``ulimit -n 1024`` made every client request fail)."""
     import resource
     import subprocess

@@ -1,5 +1,5 @@
 """The worker client never leaks a connection nor a slot when a request is cancelled
-while it connects (issue 35, defect 1: a prefill failing after its signature cancels
+while it connects (a prefill failing after its signature cancels
 the decode POST), on asyncio and uvloop alike."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The live-batch state of the batch-pricing policies (state_aware, eldr_balanced) stays
 equal to a from-scratch recompute over any admit/release sequence, and a policy never
-raises on a valid request (issue 38, part 1)."""
+raises on a valid request."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Each policy's typed, validated parameter set (issue 38, part 5): reachable from
+"""Each policy's typed, validated parameter set: reachable from
 ``--policy-param NAME=VALUE``, the router's config file and code, through one builder
 (router, co-located router, simulator, benchmarks); bad names and values are one-line
 errors naming the field; a setting the chosen policy ignores is a WARNING at start."""

@@ -1,4 +1,4 @@
-"""``--eldr-publish-allow`` against the forms a host can take (issue 35, defect 10):
+"""``--eldr-publish-allow`` against the forms a host can take:
 trailing dots are connected to as checked, addresses only in their canonical form,
 and a kept connection is checked again when its name re-resolves elsewhere."""
 
