@@ -13,14 +13,17 @@ status 2 (no traceback).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from .core.artifact import DEFAULT_TAU, CalibrationArtifact, creation_info
+from .core.step_law import ARTIFACT_KEY as STEP_LAW_KEY
 from .core.clustering import BalancedKMeans
 from .core.layer_selection import select_layers
 from .core.signature import COUNT_VARIANTS, GATE_VARIANTS, SignatureBuilder
@@ -56,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(id + prompt or input_ids), joined to the trace records by request id")
     ap.add_argument("--tokenizer", default=None, help="model folder whose tokenizer turns prompt text into ids")
     ap.add_argument("--predictor-alpha", type=float, default=1.0, help="predictor ridge strength (> 0)")
+    ap.add_argument("--step-law", nargs="+", default=None, metavar="FILE",
+                    help="decode step records to fit the step-time law the cost-aware policies price with "
+                         "(trace mode's steps-*.jsonl, or saved GET /eldr/batch answers of the decode "
+                         "engines); kept in the artifact, used until the router's own engine reports fit one")
     return ap
 
 
@@ -128,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         km.fit(signatures)
         bar.update(1)
 
+    step_law = fit_artifact_law(args.step_law, model.num_layers / len(layers)) if args.step_law else None
     sizes = np.bincount(km.labels_, minlength=args.clusters)
     purity = {kind: label_purity(km.labels_, values) for kind, values in traces.labels.items()}
     artifact = CalibrationArtifact(
@@ -138,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
                "cluster_sizes": sizes.tolist(), "purity": purity, "inertia": km.inertia_,
                "variant_scores": {v: None if r is None else round(r, 6) for v, r in scores.items()},
                "variant_choice": "auto" if args.variant == "auto" else "given", "variant_holdout": VARIANT_HOLDOUT,
-               **({"predictor": predictor_info} if predictor_info else {})},
+               **({"predictor": predictor_info} if predictor_info else {}),
+               **({STEP_LAW_KEY: step_law} if step_law else {})},
         predictor=predictor,
     )
     artifact.save(args.out)
@@ -147,11 +156,60 @@ def run(args: argparse.Namespace) -> int:
     if predictor_info:
         print(f"\nsignature predictor: {predictor_info['requests']} requests, {predictor_info['tokens_seen']} "
               f"tokens seen, {predictor_info['bytes'] / 1024:.0f} KiB")
+    if step_law:
+        law = step_law["law"]
+        print(f"\nstep law from {law['samples']} steps: {1e3 * law['base_s']:.3f} ms + "
+              f"{1e3 * law['per_seq_s']:.4f} ms/sequence + {1e3 * law['per_expert_s']:.4f} ms/distinct expert "
+              f"(R^2 {law['r2']:.2f}; {step_law['source']})")
     if args.plot:
         plot_map(signatures, km, traces, args.plot, args.seed)
         print(f"map written to {args.plot}")
     print(f"artifact written to {args.out} ({artifact.checksum()[:19]}...) in {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def read_step_records(paths: Sequence[str]) -> list[dict]:
+    """JSON lines of step records, or JSON objects with ``samples`` (a saved
+    ``GET /eldr/batch`` answer); ValueError naming the file and line."""
+    records: list[dict] = []
+    for path in paths:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ValueError(f"--step-law {path}: {e.strerror or e}") from None
+        try:  # one JSON object (a saved answer, or a one-line file)
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            obj = None
+        if isinstance(obj, dict):
+            records.extend(obj["samples"] if isinstance(obj.get("samples"), list) else [obj])
+            continue
+        for no, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"--step-law {path}:{no}: not a JSON line ({e.msg})") from None
+    return records
+
+
+def fit_artifact_law(paths: Sequence[str], expert_factor: float) -> dict:
+    """The artifact entry of the law fitted on the step records in ``paths``."""
+    from .core.step_law import MIN_SAMPLES, artifact_entry, fit_step_law, samples_from_step_records
+
+    records = read_step_records(paths)
+    try:
+        samples = samples_from_step_records(records)
+    except ValueError as e:
+        raise ValueError(f"--step-law: {e}") from None
+    law = fit_step_law(samples)
+    if law is None:
+        raise ValueError(f"--step-law: {len(samples)} usable decode steps, the fit needs {MIN_SAMPLES}")
+    traced = any("forward_ms" in r for r in records)
+    source = ("trace mode forward_ms: the host time of the forward call, the whole step on CPU, only its "
+              "launch on a GPU (there, save the engines' GET /eldr/batch answers instead)" if traced
+              else "engine step samples")
+    return artifact_entry(law, samples, expert_factor, source)
 
 
 def _variant_arg(text: str) -> str:

@@ -122,3 +122,46 @@ def pooled_laws(per_server: Sequence[Sequence[dict]], tolerance: float = 0.2) ->
         mine, theirs = own.seconds(b, u, kv), pooled.seconds(b, u, kv)
         out.append(own if abs(mine - theirs) > tolerance * theirs else pooled)
     return out
+
+
+ARTIFACT_KEY = "step_law"  # CalibrationArtifact.extra[ARTIFACT_KEY]: the law and the policy's cost
+
+
+def samples_from_step_records(records: Sequence[dict]) -> list[dict]:
+    """Step records as :func:`fit_step_law` takes them: trace mode's ``steps-*.jsonl``
+    lines (``batch_size``, ``unique_per_layer``, ``forward_ms``) or samples already in
+    the law's units (``unique_experts``, ``seconds``, optional ``kv_tokens``).
+    ValueError names the first record that is neither."""
+    out = []
+    for i, r in enumerate(records):
+        if not isinstance(r, dict) or "batch_size" not in r:
+            raise ValueError(f"step record {i}: expected an object with batch_size, got {str(r)[:80]!r}")
+        if "unique_per_layer" in r and "forward_ms" in r:
+            out.append({"batch_size": r["batch_size"], "unique_experts": float(sum(r["unique_per_layer"])),
+                        "kv_tokens": r.get("kv_tokens", 0), "seconds": float(r["forward_ms"]) / 1e3})
+        elif "unique_experts" in r and "seconds" in r:
+            out.append(r)
+        else:
+            raise ValueError(f"step record {i}: needs unique_per_layer and forward_ms (trace mode) or "
+                             "unique_experts and seconds")
+    return out
+
+
+def artifact_entry(law: StepLaw, samples: Sequence[dict], expert_factor: float, source: str) -> dict:
+    """What an artifact keeps of a fitted law: the law in engine units, and the cost a
+    policy prices with (:func:`as_step_cost`: distinct experts of the published layers)."""
+    from eldr_sglang.core.policies.state_aware import StepCost
+
+    cost = as_step_cost(law, expert_factor, samples, StepCost())
+    return {"law": law.to_dict(), "expert_factor": float(expert_factor), "source": source,
+            "policy_cost": {"base_s": cost.base_s, "per_seq_s": cost.per_seq_s, "per_expert_s": cost.per_expert_s}}
+
+
+def artifact_cost_params(extra: Optional[dict]) -> dict[str, float]:
+    """The policy cost an artifact's ``extra`` carries (``base_s``, ``per_seq_s``,
+    ``per_expert_s``), or {} without one."""
+    entry = (extra or {}).get(ARTIFACT_KEY)
+    cost = entry.get("policy_cost") if isinstance(entry, dict) else None
+    if not isinstance(cost, dict):
+        return {}
+    return {k: float(cost[k]) for k in ("base_s", "per_seq_s", "per_expert_s") if k in cost}

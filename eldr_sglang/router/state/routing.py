@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 from eldr_sglang.core.policies import (Policy, PolicyContext, PolicySpec, build_policy, policy_spec,
                                        reads_artifact)
 from eldr_sglang.core.policies.params import params_for
+from eldr_sglang.core.step_law import artifact_cost_params
 from eldr_sglang.router.config import RouterConfig
 from eldr_sglang.router.metrics import RouterMetrics
 from eldr_sglang.router.signals.signatures import SignatureEncoder
@@ -37,6 +38,10 @@ class Routing:
     @property
     def name(self) -> str:
         return self.spec.name
+
+
+def _extra(encoder: Optional[SignatureEncoder]) -> Optional[dict]:
+    return getattr(getattr(encoder, "artifact", None), "extra", None)
 
 
 def domain_indices(domain_map: dict, urls: Sequence[str]) -> dict[str, list[int]]:
@@ -98,7 +103,9 @@ class RoutingState:
             centroids=encoder.centroids if encoder is not None else None,
             artifact_tau=encoder.tau if encoder is not None else None,
             domain_map=domain_indices(self.domain_map, [d.url for d in self.pool.decodes]),
-            params=params_for(spec.params, self.params))  # the A/B arms' and shadow's differ
+            # the A/B arms' and shadow's differ; the artifact's step law (eldr-calibrate --step-law)
+            # under what --policy-param sets
+            params=params_for(spec.params, {**artifact_cost_params(_extra(encoder)), **self.params}))
         if spec.needs_domain_map and not self.domain_map:
             raise ValueError(f"{spec.name} policy needs a domain map (--domain-map)")
         policy = build_policy(spec.name, ctx)
