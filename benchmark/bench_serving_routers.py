@@ -90,9 +90,10 @@ class Procs:
         self.logdir = logdir
         self.items: list[tuple[str, subprocess.Popen, Any]] = []
 
-    def start(self, name: str, cmd: list[str], env: Optional[dict] = None) -> subprocess.Popen:
+    def start(self, name: str, cmd: list[str], env: Optional[dict] = None,
+              cwd: Optional[Path] = None) -> subprocess.Popen:
         log = open(self.logdir / f"{name}.log", "w")
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
+        proc = subprocess.Popen(cmd, cwd=cwd or ROOT, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                 preexec_fn=_child_setup)
         self.items.append((name, proc, log))

@@ -48,7 +48,8 @@ QUICK = {
     "report.py": ["--workloads", "task", "--skip-microbench"],
 }
 # smoke runs that start router, stub and bench_serving processes (minutes on 2 cores)
-PROCESSES = {"bench_burst.py": [], "bench_serving_routers.py": ["--paths", "eldr,direct"]}
+PROCESSES = {"bench_burst.py": [], "bench_serving_routers.py": ["--paths", "eldr,direct"],
+             "bench_router_cpu.py": []}
 SLOW = {"bench_online.py": [],  # its --quick replays 2,000 arrivals per scenario: about 3 min on 2 cores
         "bench_integrations.py": [],  # starts SMG + stub worker + pre-router processes (about 1 min)
         "bench_soak.py": []}  # a router process under faults: 25 s warm-up, 20 s measured (about 1 min)
