@@ -52,24 +52,12 @@ logger = logging.getLogger("eldr_sglang.router")
 class ColocatedPool(WorkerPool):
     """The worker pool with plain servers only (kept as ``decodes``: each runs whole requests)."""
 
+    decode_role = "worker"
+    needs_prefill = False
+    missing = "need at least one --worker"
+
     def __init__(self, workers: Sequence[str], config: RouterConfig, metrics: RouterMetrics) -> None:
-        if not workers:
-            raise ValueError("need at least one --worker")
-        self.config, self.metrics, self.session = config, metrics, None
-        self.prefills: list[Worker] = []
-        self.decodes: list[Worker] = []
-        self._rr = 0
-        for url in workers:
-            self.add_decode(url)
-
-    def roles(self) -> dict[str, list[Worker]]:
-        return {"worker": self.decodes}
-
-    def add_decode(self, url: str) -> Worker:
-        return self._add(self.decodes, "worker", url)
-
-    def decode_index(self, url: str) -> int:
-        return self._index(self.decodes, "worker", url)
+        super().__init__([], workers, config, metrics)
 
     def add_prefill(self, url: str, bootstrap_port: Optional[int]) -> Worker:
         raise ValueError("a co-located router has no prefill servers")

@@ -98,12 +98,12 @@ class RouterShell:
         self._unauthorized = m.errors.labels("unauthorized")  # a labels() lookup costs ~5 us
         self.online: Any = None  # the flows that learn online set these
         self.shadow: Any = None
+        engines = _urls(c.engine_metrics)
         self.ab: Optional[ABController] = None
         if c.ab_policies or c.ab_record:
             state.set_arms([p.strip() for p in (c.ab_policies or c.policy).split(",") if p.strip()])
             self.ab = ABController(state, m, lambda: self.runtime.session, c.ab_slice, c.ab_record,
-                                   _urls(c.engine_metrics), c.ab_label)
-        engines = _urls(c.engine_metrics)
+                                   engines, c.ab_label)
         self.engine_reports = (EngineReports(state, m, lambda: self.runtime.session, engines,
                                              c.load_interval, c.health_timeout)
                                if engines and c.load_interval > 0 else None)
@@ -263,7 +263,7 @@ class RouterShell:
         if self.api_key and bearer_matches(request, self.api_key):
             return json_response(self.calibration_summary())
         if self.api_key or self.config.admin_token:
-            self.metrics.errors.labels("unauthorized").inc()
+            self._unauthorized.inc()
             return unauthorized()
         return json_response(self.calibration_summary())
 

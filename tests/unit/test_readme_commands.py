@@ -449,9 +449,10 @@ def check_python(cmd: Command) -> None:
         _assert_flags(cmd, used_flags(args), accepted, script)
 
 
-def _generator_of(cmd: Command, script: str) -> Command | None:
-    """An earlier ``python -m eldr_sglang...`` command of the same doc that writes
-    ``--out DIR`` where ``script`` lies (a generated, git-ignored file); the nearest."""
+def _generator_of(cmd: Command, script: str) -> tuple[Command, str] | None:
+    """The nearest earlier ``python -m eldr_sglang...`` command of the same doc that writes
+    ``--out DIR`` where ``script`` lies (a generated, git-ignored file), and the path
+    of ``script`` inside DIR."""
     for earlier in reversed(ALL_COMMANDS):
         if earlier.file != cmd.file or earlier.line >= cmd.line or earlier.argv[1:2] != ("-m",):
             continue
@@ -460,7 +461,7 @@ def _generator_of(cmd: Command, script: str) -> Command | None:
             continue
         out = args[args.index("--out") + 1].rstrip("/") + "/"
         if script.startswith(out):
-            return earlier
+            return earlier, script[len(out):]
     return None
 
 
@@ -486,10 +487,10 @@ def check_script(cmd: Command) -> None:
         script = rest[0]
     else:
         script = argv[0]
-    gen = _generator_of(cmd, script)
-    if gen is not None:  # written by an earlier command of the doc: run it and look
-        out = list(gen.argv)[list(gen.argv).index("--out") + 1].rstrip("/") + "/"
-        assert script[len(out):] in generated_files(gen), f"{cmd.id}: {gen.id} writes no {script}"
+    found = _generator_of(cmd, script)
+    if found is not None:  # written by an earlier command of the doc: run it and look
+        gen, inside = found
+        assert inside in generated_files(gen), f"{cmd.id}: {gen.id} writes no {script}"
         return
     assert (ROOT / script).is_file(), f"{cmd.id}: no file {script}"
 

@@ -91,10 +91,17 @@ class Worker:
 
 
 class WorkerPool:
+    """Prefill and decode servers. A subclass without prefill servers names its
+    decode-list servers by ``decode_role`` (metrics, errors, readiness)."""
+
+    decode_role = "decode"
+    needs_prefill = True
+    missing = "need at least one prefill and one decode server"
+
     def __init__(self, prefill: Sequence[tuple[str, Optional[int]]], decode: Sequence[str],
                  config: RouterConfig, metrics: RouterMetrics) -> None:
-        if not prefill or not decode:
-            raise ValueError("need at least one prefill and one decode server")
+        if (self.needs_prefill and not prefill) or not decode:
+            raise ValueError(self.missing)
         self.config, self.metrics = config, metrics
         self.session: Optional[aiohttp.ClientSession] = None  # set by the router at start
         self.prefills = [self._new(u, "prefill", p) for u, p in prefill]
@@ -116,7 +123,7 @@ class WorkerPool:
 
     def roles(self) -> dict[str, list[Worker]]:
         """The servers by role (what readiness needs one of each)."""
-        return {"prefill": self.prefills, "decode": self.decodes}
+        return {**({"prefill": self.prefills} if self.needs_prefill else {}), self.decode_role: self.decodes}
 
     # ------------------------------------------------------------ membership
     def _add(self, workers: list[Worker], role: str, url: str,
@@ -136,10 +143,10 @@ class WorkerPool:
         return urls.index(url.rstrip("/"))
 
     def add_decode(self, url: str) -> Worker:
-        return self._add(self.decodes, "decode", url)
+        return self._add(self.decodes, self.decode_role, url)
 
     def decode_index(self, url: str) -> int:
-        return self._index(self.decodes, "decode", url)
+        return self._index(self.decodes, self.decode_role, url)
 
     def remove_decode(self, index: int) -> Worker:
         if len(self.decodes) == 1:
