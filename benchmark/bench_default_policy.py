@@ -39,6 +39,7 @@ import numpy as np
 from benchmark import bench_state_aware as grid_bench
 from benchmark.common import command_line, fmt_mean_sd, markdown_table, write_record
 from benchmark.rules import BALANCERS, CANDIDATE, GOODPUT_POLICIES, decide, goodputs, headline_lines, key, mean_of
+from benchmark.routing_cache import routing_for
 from eldr_sglang.sim import experiments
 from eldr_sglang.core.policies import PolicyContext, build_policy
 from eldr_sglang.core.policies.eldr_balanced import EldrBalancedPolicy
@@ -98,7 +99,7 @@ def run_task(task: tuple) -> dict:
     exp, wl, policy, cfg = task
     a, data = STATE["args"], STATE["data"][wl]
     k = cfg.num_decode
-    routing = grid_bench.routing_for(data, k, cfg.seed, a)
+    routing = routing_for(data, k, cfg.seed, a)
     rows = shifted_rows(data.sim.labels)[0] if exp == "shift" else None
     sigs, acts = routing.eldr_signatures, None
     if policy == CANDIDATE:

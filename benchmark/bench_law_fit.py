@@ -25,8 +25,8 @@ from typing import Sequence
 
 import numpy as np
 
-from benchmark import bench_state_aware as grid_bench
 from benchmark.common import QUICK_OUT, command_line, markdown_table, write_record
+from benchmark.routing_cache import routing_for
 from eldr_sglang.core.policies import PolicyContext, build_policy
 from eldr_sglang.core.policies.eldr_balanced import EldrBalancedPolicy
 from eldr_sglang.sim import experiments
@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for wl in a.workloads.split(","):
         data = experiments.load_workload(wl, a.traces_root, a.work_dir, experiments.FULL, 600.0, 300.0)
         for seed in range(g["seeds"]):
-            routing = grid_bench.routing_for(data, g["k"], seed, a)
+            routing = routing_for(data, g["k"], seed, a)
             acts = prefill_activations(data.evaluation, routing.layers)
             cfg = SimConfig(num_prefill=max(8, g["k"] * 3 // 2), num_decode=g["k"], rate=g["rate"], seed=seed,
                             warmup_s=g["warmup_s"], measure_s=g["measure_s"])

@@ -50,6 +50,7 @@ import numpy as np
 
 from benchmark.common import command_line, markdown_table, quick_out, write_record
 from benchmark import bench_state_aware as grid_bench
+from benchmark.routing_cache import routing_for
 from eldr_sglang.core.policies import Policy, PolicyContext, build_policy, least_loaded
 from eldr_sglang.core.policies.eldr import CentroidOwnership
 from eldr_sglang.core.traces import write_traces
@@ -184,7 +185,7 @@ def routing_without(data, label: str, k: int, seed: int, a) -> experiments.Routi
     if cache.is_file():
         with open(cache, "rb") as f:
             return pickle.load(f)
-    base = grid_bench.routing_for(data, k, seed, a)
+    base = routing_for(data, k, seed, a)
     kind = experiments.label_kind_for(data.calib, data.name)
     keep = np.flatnonzero(np.asarray(data.calib.labels[kind]) != label)
     tdir = a.work_dir / "without" / f"{data.name}-no-{label}" / "calib"
@@ -267,7 +268,7 @@ def run(task: tuple) -> dict:
     exp, wl, spec, cfg, label = task
     a, data = STATE["args"], STATE["data"][wl]
     routing = (routing_without(data, label, cfg.num_decode, cfg.seed, a) if exp == "shift"
-               else grid_bench.routing_for(data, cfg.num_decode, cfg.seed, a))
+               else routing_for(data, cfg.num_decode, cfg.seed, a))
     pol = make(spec, cfg.num_decode, routing, data, cfg)
     probe = Probe(pol, CentroidOwnership(routing.eldr_centroids, cfg.num_decode))
     sigs = routing.oracle_signatures if parse_variant(spec)[0] == "oracle" else routing.eldr_signatures

@@ -25,9 +25,9 @@ from typing import Sequence
 
 import numpy as np
 
-from benchmark import bench_state_aware as grid_bench
 from benchmark.bench_default_policy import candidate_policy
 from benchmark.common import QUICK_OUT, command_line, markdown_table, write_record
+from benchmark.routing_cache import routing_for
 from eldr_sglang.core.policies import PolicyContext, build_policy
 from eldr_sglang.sim import experiments
 from eldr_sglang.sim.calibration import prefill_activations
@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for wl in a.workloads.split(","):
         data = experiments.load_workload(wl, a.traces_root, a.work_dir, sweep, 600.0, 300.0)
         for seed in range(g["seeds"]):
-            routing = grid_bench.routing_for(data, g["k"], seed, a)
+            routing = routing_for(data, g["k"], seed, a)
             acts = prefill_activations(data.evaluation, routing.layers)
             for rate in g["rates"]:
                 cfg = replace(base, rate=rate, seed=seed)

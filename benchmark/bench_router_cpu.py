@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from benchmark.bench_serving_routers import BOOTSTRAP_PORT, N_DECODES, Procs, make_artifact, stub_cmd, wait_generate
 from benchmark.common import free_port, parse_with_quick, quick_out, write_record
+from benchmark.serving_harness import BOOTSTRAP_PORT, N_DECODES, Procs, make_artifact, stub_cmd, wait_generate
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_JSON = ROOT / "benchmark" / "results" / "router_cpu.json"

@@ -41,187 +41,32 @@ ended on exit, Ctrl-C, SIGTERM or an exception (and sent SIGTERM if this process
 from __future__ import annotations
 
 import argparse
-import collections
-import json
 import os
 import platform
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
 from benchmark.common import free_port, parse_with_quick, quick_out, write_record
-from eldr_sglang.router.metrics import histogram_quantiles
+from benchmark.serving_harness import (BOOTSTRAP_PORT, N_DECODES, PY, STREAM_CHUNKS, Procs, bench_cmd, http_json,
+                                       make_artifact, preflight_stream, router_status, run_bench, stub_cmd,
+                                       wait_generate)
+from benchmark.serving_report import record_summary
 from eldr_sglang.testing.local_cluster import sglang_router_argv
-from eldr_sglang.testing.toy_artifact import save_toy_artifact
 
 ROOT = Path(__file__).resolve().parents[1]
-PY = sys.executable
-TOKENIZER = "models/eldr-tiny-moe"
 DEFAULT_JSON = ROOT / "benchmark" / "results" / "bench_serving_routers.json"
 ALL_PATHS = ("eldr", "eldr-w2", "eldr-rr", "sglang-router", "direct")
-N_DECODES = 4
-BOOTSTRAP_PORT = "8998"
-STREAM_CHUNKS = 4  # = --random-output-len: one chunk per output token
-TARGETS = {"eldr_throughput_ratio": 0.7, "eldr_w2_throughput_ratio": 1.0, "added_p50_ms": 0.5}
-
-
-# ------------------------------------------------------------------ processes
-def _child_setup() -> None:
-    """In the child before exec: SIGTERM when this benchmark dies (Linux)."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - best effort
-        pass
-
-
-class Procs:
-    """Every process this benchmark starts: own process group each, logs in logdir."""
-
-    def __init__(self, logdir: Path) -> None:
-        self.logdir = logdir
-        self.items: list[tuple[str, subprocess.Popen, Any]] = []
-
-    def start(self, name: str, cmd: list[str], env: Optional[dict] = None,
-              cwd: Optional[Path] = None) -> subprocess.Popen:
-        log = open(self.logdir / f"{name}.log", "w")
-        proc = subprocess.Popen(cmd, cwd=cwd or ROOT, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                preexec_fn=_child_setup)
-        self.items.append((name, proc, log))
-        return proc
-
-    def log_tail(self, name: str, n: int = 3000) -> str:
-        try:
-            return (self.logdir / f"{name}.log").read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def check_alive(self) -> list[str]:
-        return [f"{name} exited with {p.returncode}" for name, p, _ in self.items
-                if p.poll() is not None]
-
-    def forget(self, proc: subprocess.Popen) -> None:
-        """A process that ended and was reaped: never signal its (reusable) id again."""
-        for it in [it for it in self.items if it[1] is proc]:
-            self.items.remove(it)
-            it[2].close()
-
-    def stop_all(self) -> None:
-        """SIGTERM each live process's group, wait up to 10 s, then SIGKILL the groups
-        (a router's --workers children are in its group)."""
-        items = [it for it in self.items if it[1].poll() is None]
-        for it in self.items:
-            if it not in items:
-                it[2].close()
-        self.items = []
-        for _, proc, _ in reversed(items):
-            _signal_group(proc, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for _, proc, _ in reversed(items):
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for _, proc, log in reversed(items):
-            _signal_group(proc, signal.SIGKILL)  # the group: --workers children too
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-            log.close()
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    """Signal the process group this benchmark created for ``proc`` (pgid = its pid)."""
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def http_json(method: str, url: str, body: Optional[dict] = None, timeout: float = 5.0):
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        raw = r.read()
-        return r.status, raw
-
-
-def wait_generate(name: str, url: str, procs: Procs, proc: subprocess.Popen, timeout: float) -> float:
-    """Poll ``POST /generate`` until it answers 200 (sglang-router answers /health
-    before its workers are registered); returns seconds waited."""
-    t0 = time.monotonic()
-    last = ""
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{procs.log_tail(name)}")
-        try:
-            st, raw = http_json("POST", f"{url}/generate",
-                                {"text": "warmup topic:1", "sampling_params": {"max_new_tokens": 1}})
-            if st == 200:
-                return time.monotonic() - t0
-            last = f"HTTP {st}"
-        except urllib.error.HTTPError as e:
-            last = f"HTTP {e.code}: {e.read()[:200]!r}"
-        except (urllib.error.URLError, OSError) as e:
-            last = str(e)
-        time.sleep(0.25)
-    raise RuntimeError(f"{name} ({url}) not routing after {timeout:.0f}s (last: {last})\n"
-                       f"{procs.log_tail(name)}")
-
-
-def preflight_stream(url: str) -> tuple[bool, str]:
-    """One streamed /generate as bench_serving's sglang backend sends it; checks every
-    chunk carries what the backend reads. Returns (ok, explanation)."""
-    body = {"text": "preflight topic:2", "sampling_params": {"temperature": 0.0, "max_new_tokens": 4,
-                                                             "ignore_eos": True}, "stream": True}
-    req = urllib.request.Request(f"{url}/generate", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        lines = [ln.strip() for ln in r.read().splitlines() if ln.strip()]
-    chunks = 0
-    for ln in lines:
-        data = ln[6:] if ln.startswith(b"data: ") else ln
-        if data == b"[DONE]":
-            continue
-        try:
-            obj = json.loads(data)
-        except ValueError:
-            return False, f"chunk is not JSON: {ln[:200]!r}"
-        chunks += 1
-        if obj.get("text") and "completion_tokens" not in (obj.get("meta_info") or {}):
-            return False, ("a streamed chunk with text has no meta_info.completion_tokens "
-                           "(bench_serving's sglang backend does "
-                           "output_len = data['meta_info']['completion_tokens'] -> KeyError, "
-                           f"every request fails): {ln[:300].decode(errors='replace')}")
-    if not chunks:
-        return False, f"no data chunk in the stream: {lines[:3]!r}"
-    return True, f"{chunks} chunks with meta_info.completion_tokens"
 
 
 # ------------------------------------------------------------------ setup
-def make_artifact(path: Path) -> str:
-    """The toy calibration artifact matching the stubs' default layers (0,1) x 8
-    experts, 4 clusters = 4 decode servers."""
-    return save_toy_artifact(path, N_DECODES)
-
-
-def stub_cmd(role: str, port: int, name: str) -> list[str]:
-    return [PY, "-m", "eldr_sglang.testing.stub_worker", "--role", role, "--name", name, "--host", "127.0.0.1", "--port", str(port),
-                   "--stream-chunks", str(STREAM_CHUNKS)]
-
-
 def router_cmd(name: str, port: int, prefill: str, decodes: list[str], artifact: str) -> list[str]:
+    """The command of router path ``name`` (an ELDR variant or sglang-router) over the stubs."""
     if name == "sglang-router":
         cmd = sglang_router_argv(port, "--pd-disaggregation", "--prefill", prefill, BOOTSTRAP_PORT,
                                  "--policy", "round_robin", "--log-level", "warn")
@@ -236,171 +81,6 @@ def router_cmd(name: str, port: int, prefill: str, decodes: list[str], artifact:
     for d in decodes:
         cmd += ["--decode", d]
     return cmd
-
-
-def bench_cmd(url: str, conc: int, prompts: int, out_file: str) -> list[str]:
-    """The unmodified bench_serving command line (flags as sglang 0.5.23 takes them)."""
-    return [PY, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", url,
-            "--dataset-name", "random-ids", "--random-input-len", "32", "--random-output-len", "4",
-            "--random-range-ratio", "1.0", "--num-prompts", str(prompts), "--request-rate", "inf",
-            "--max-concurrency", str(conc), "--tokenizer", TOKENIZER, "--output-file", out_file,
-            "--output-details", "--disable-tqdm"]
-
-
-# ------------------------------------------------------------------ runs
-SUMMARY_KEYS = ("duration", "completed", "request_throughput", "output_throughput",
-                "mean_e2e_latency_ms", "median_e2e_latency_ms", "p90_e2e_latency_ms",
-                "p95_e2e_latency_ms", "p99_e2e_latency_ms", "median_ttft_ms", "p99_ttft_ms",
-                "concurrency", "max_concurrency", "total_input_tokens", "total_output_tokens")
-
-
-def run_bench(procs: Procs, cmd: list[str], out_file: Path, timeout: float, env: dict) -> dict:
-    """Run bench_serving once; returns its result record (per-request arrays reduced
-    to error counts) or the failure."""
-    t0 = time.monotonic()
-    log_name = f"bench-{out_file.stem}"
-    proc = procs.start(log_name, cmd, env=env)
-    try:
-        rc = proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        _signal_group(proc, signal.SIGKILL)
-        proc.wait()
-        rc = "timeout"
-    procs.forget(proc)
-    wall = time.monotonic() - t0
-    run: dict[str, Any] = {"returncode": rc, "wall_s": round(wall, 2)}
-    record = None
-    try:
-        lines = [ln for ln in out_file.read_text().splitlines() if ln.strip()]
-        record = json.loads(lines[-1]) if lines else None
-    except (OSError, ValueError):
-        pass
-    if rc != 0 or record is None or "request_throughput" not in record:
-        run["error"] = procs.log_tail(log_name, 2500)
-        return run
-    errors = [e for e in record.pop("errors", []) if e]
-    for k in ("input_lens", "output_lens", "ttfts", "itls", "generated_texts"):
-        record.pop(k, None)
-    run["failed"] = len(errors)
-    if errors:
-        run["error_kinds"] = dict(collections.Counter(
-            e.strip().splitlines()[-1][:200] for e in errors).most_common(5))
-    run["result"] = record
-    return run
-
-
-def router_status(name: str, url: str) -> dict:
-    """After the runs: the ELDR router's /eldr/status counters and added-latency metric."""
-    out: dict[str, Any] = {}
-    try:
-        _, raw = http_json("GET", f"{url}/eldr/status")
-        st = json.loads(raw)
-        out["status"] = {k: st[k] for k in ("counters", "signature_buffer", "policy") if k in st}
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        out["status_error"] = str(e)
-    try:
-        _, raw = http_json("GET", f"{url}/metrics")
-        text = raw.decode()
-        for key, metric in (("added_latency_metric", "eldr_router_added_latency_seconds"),
-                            ("signature_wait_metric", "eldr_router_signature_wait_seconds")):
-            out[key] = histogram_quantiles(text, metric)
-    except (urllib.error.URLError, OSError) as e:
-        out["metrics_error"] = str(e)
-    return out
-
-
-# ------------------------------------------------------------------ report
-def _med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def _spread(xs: list[float], fmt: str) -> str:
-    if not xs:
-        return "n/a"
-    if len(xs) == 1:
-        return format(xs[0], fmt)
-    return f"{format(_med(xs), fmt)} [{format(min(xs), fmt)}-{format(max(xs), fmt)}]"
-
-
-def summarize(runs: list[dict], paths: list[str], thr_mode: str, lat_mode: str) -> dict:
-    """Per path: medians over repeats; ratio and added latency paired per round."""
-    by = collections.defaultdict(dict)  # (mode, path) -> {round: result}
-    for r in runs:
-        if "result" in r:
-            by[(r["mode"], r["path"])][r["round"]] = r["result"]
-    out: dict[str, Any] = {}
-    for p in paths:
-        thr = by[(thr_mode, p)]
-        lat = by[(lat_mode, p)]
-        s: dict[str, Any] = {
-            "request_throughput": [v["request_throughput"] for v in thr.values()],
-            "p50_ms": [v["median_e2e_latency_ms"] for v in lat.values()],
-            "p99_ms": [v["p99_e2e_latency_ms"] for v in lat.values()],
-            "failed": sum(r.get("failed", 0) for r in runs if r["path"] == p),
-            "failed_runs": sum(1 for r in runs if r["path"] == p and "result" not in r),
-        }
-        sg, d = by[(thr_mode, "sglang-router")], by[(lat_mode, "direct")]
-        s["ratio_vs_sglang_router"] = [thr[k]["request_throughput"] / sg[k]["request_throughput"]
-                                       for k in thr if k in sg and sg[k]["request_throughput"]]
-        s["added_p50_ms"] = [lat[k]["median_e2e_latency_ms"] - d[k]["median_e2e_latency_ms"]
-                             for k in lat if k in d]
-        s["added_p99_ms"] = [lat[k]["p99_e2e_latency_ms"] - d[k]["p99_e2e_latency_ms"]
-                             for k in lat if k in d]
-        sgl = by[(lat_mode, "sglang-router")]
-        s["p50_minus_sglang_router_ms"] = [lat[k]["median_e2e_latency_ms"] - sgl[k]["median_e2e_latency_ms"]
-                                           for k in lat if k in sgl]
-        s["median"] = {k: _med(s[k]) for k in ("request_throughput", "p50_ms", "p99_ms",
-                                               "ratio_vs_sglang_router", "added_p50_ms", "added_p99_ms",
-                                               "p50_minus_sglang_router_ms")}
-        out[p] = s
-    return out
-
-
-def targets(summary: dict) -> list[dict]:
-    rows = []
-
-    def add(what: str, path: str, key: str, goal: float, ge: bool) -> None:
-        v = summary.get(path, {}).get("median", {}).get(key, float("nan"))
-        met = (v >= goal if ge else v <= goal) if v == v else None
-        rows.append({"target": what, "path": path, "value": v, "goal": goal, "met": met})
-
-    add(f"{'eldr'} throughput >= {TARGETS['eldr_throughput_ratio']}x sglang-router", "eldr",
-        "ratio_vs_sglang_router", TARGETS["eldr_throughput_ratio"], True)
-    add(f"eldr --workers 2 throughput >= {TARGETS['eldr_w2_throughput_ratio']}x sglang-router",
-        "eldr-w2", "ratio_vs_sglang_router", TARGETS["eldr_w2_throughput_ratio"], True)
-    add(f"eldr added p50 <= {TARGETS['added_p50_ms']} ms (vs direct)", "eldr", "added_p50_ms",
-        TARGETS["added_p50_ms"], False)
-    add(f"eldr --workers 2 added p50 <= {TARGETS['added_p50_ms']} ms (vs direct)", "eldr-w2",
-        "added_p50_ms", TARGETS["added_p50_ms"], False)
-    return rows
-
-
-def print_table(summary: dict, tgt: list[dict], modes: dict, repeats: int, quick: bool) -> None:
-    (tm, tc, tn), (lm, lc, ln) = modes["throughput"], modes["latency"]
-    print(f"\nbench_serving (unmodified), median over {repeats} repeat(s) [min-max]; "
-          f"throughput: {tm} mode (C={tc}, N={tn}); latency: {lm} mode (C={lc}, N={ln})"
-          + ("; --quick smoke run: latency under load, not the targets' figures" if quick else ""))
-    print("x sglang-rt, +p50/+p99 (vs direct) and p50-sgl (vs sglang-router) are paired per round "
-          "(same round's figures), then the median over rounds; failed = failed requests")
-    hdr = (f"  {'path':14s} {'req/s':>22s} {'x sglang-rt':>12s} {'p50 ms':>20s} {'p99 ms':>20s} "
-           f"{'+p50 ms':>8s} {'+p99 ms':>8s} {'p50-sgl':>8s} {'failed':>6s}")
-    print(hdr)
-    for p, s in summary.items():
-        m = s["median"]
-        fr = f"{s['failed']}" + (f"+{s['failed_runs']}run" if s["failed_runs"] else "")
-        ratio = f"{m['ratio_vs_sglang_router']:.2f}" if m["ratio_vs_sglang_router"] == m["ratio_vs_sglang_router"] else "n/a"
-        a50 = f"{m['added_p50_ms']:+.3f}" if p != "direct" and m["added_p50_ms"] == m["added_p50_ms"] else "-"
-        a99 = f"{m['added_p99_ms']:+.3f}" if p != "direct" and m["added_p99_ms"] == m["added_p99_ms"] else "-"
-        vs = m["p50_minus_sglang_router_ms"]
-        vs = f"{vs:+.3f}" if p != "sglang-router" and vs == vs else "-"
-        print(f"  {p:14s} {_spread(s['request_throughput'], '.0f'):>22s} {ratio:>12s} "
-              f"{_spread(s['p50_ms'], '.3f'):>20s} {_spread(s['p99_ms'], '.3f'):>20s} "
-              f"{a50:>8s} {a99:>8s} {vs:>8s} {fr:>6s}")
-    print("targets:")
-    for t in tgt:
-        v = t["value"]
-        verdict = "n/a" if t["met"] is None else ("MET" if t["met"] else "NOT MET")
-        print(f"  {t['target']:55s} {v:8.3f}  {verdict}")
 
 
 # ------------------------------------------------------------------ main
@@ -556,24 +236,7 @@ def summarise_routers(doc: dict, paths: list[str], urls: dict[str, str], modes: 
     for p in paths:
         if p.startswith("eldr"):
             doc["paths"][p]["after"] = router_status(p, urls[p])
-    thr_mode, lat_mode = modes["throughput"][0], modes["latency"][0]
-    summary = summarize(doc["runs"], paths, thr_mode, lat_mode)
-    doc["summary"] = summary
-    doc["targets"] = targets(summary)
-    print_table(summary, doc["targets"], modes, repeats, quick)
-    for p in paths:
-        after = doc["paths"][p].get("after")
-        if after:
-            st = after.get("status", {})
-            c = st.get("counters") or {}
-            al = after.get("added_latency_metric") or {}
-            sw = after.get("signature_wait_metric") or {}
-            print(f"  {p} (/eldr/status of one process): requests {c.get('requests')}, decisions "
-                  f"{c.get('decisions')}, signatures_used {c.get('signatures_used')}, fallbacks "
-                  f"{c.get('fallbacks', 0)}; added-latency metric p50/p99 <= "
-                  f"{al.get('p50_le_ms')}/{al.get('p99_le_ms')} ms (n={al.get('count')}, "
-                  f"{(al.get('buckets') or {}).get('1e-05')} in the <= 10 us bucket); signature "
-                  f"wait p50/p99 <= {sw.get('p50_le_ms')}/{sw.get('p99_le_ms')} ms")
+    record_summary(doc, paths, modes, repeats, quick)
 
 
 def finish(procs: Procs, doc: dict, args: argparse.Namespace, argv: Optional[list[str]], logdir: Path, rc: int,
