@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--render-only", action="store_true", help="rewrite the markdown from the JSON")
     ap.add_argument("--jobs", type=int, default=1, help="simulation processes")
     ap.add_argument("--out-dir", type=Path, default=None, help="default: benchmark/results (--quick: .cache/...)")
+    ap.add_argument("--policy-param", action="append", default=[], metavar="NAME=VALUE",
+                    help="a parameter of the candidate (eldr_balanced), as the router's flag; repeat "
+                         "(judges that setting as if it were the default; give --out-dir)")
     return ap
 
 
@@ -75,7 +78,9 @@ def candidate_policy(k: int, routing: experiments.Routing, data: experiments.Wor
     params = get_params(cost)
     sc = step_cost(params, len(routing.layers), expert_scale=params.num_experts / data.sim.num_experts,
                    context_tokens=600.0 + 300.0 / 2)
-    return build_policy(CANDIDATE, PolicyContext(k, centroids=routing.eldr_centroids, params=asdict(sc)))
+    prm = asdict(sc)
+    prm.update(STATE.get("policy_param", {}))
+    return build_policy(CANDIDATE, PolicyContext(k, centroids=routing.eldr_centroids, params=prm))
 
 
 def shifted_rows(labels: np.ndarray):
@@ -262,6 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     a = grid_bench.parse_args(["--quick"] if args.quick else [])
     STATE["args"] = a
+    STATE["policy_param"] = dict(kv.partition("=")[::2] for kv in args.policy_param)
     STATE["data"] = {wl: experiments.load_workload(wl, a.traces_root, a.work_dir, experiments.FULL, 600.0, 300.0) for wl in wls}
     tasks = configs(a, g, wls)
     saved = {} if args.quick else {key(r): r for r in reference_runs(g, wls)}
@@ -272,7 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         saved = {k: r for k, r in saved.items() if (k[0], k[5]) not in stale}
     todo = [t for t in tasks if (t[0], t[1], t[3].num_decode, t[3].rate, t[3].seed, t[2]) not in saved]
     runs = list(saved.values()) + experiments.pool_map(run_task, todo, args.jobs, "simulate")
-    doc = {"simulated": True, "command": command_line(__file__, ["--quick"] if args.quick else []),
+    extra = [f"--policy-param={kv}" for kv in args.policy_param]
+    doc = {"simulated": True, "command": command_line(__file__, (["--quick"] if args.quick else []) + extra),
            "grid": g, "reuse_check": reuse, "runs": runs, "decision": decide(runs, g, wls)}
     write_record(json_path, doc)
     md_path.write_text(render(doc))

@@ -42,8 +42,8 @@ class RouterConfig:
     calibration: Optional[str] = _opt("calibration artifact (needed by artifact policies)")
     tau: Optional[float] = _opt("locality band; default: the artifact's tau (0 included)")
     policy_param: tuple[str, ...] = _opt(
-        "a parameter of the policy as NAME=VALUE; repeat. eldr_balanced: load_cap, load_slack, "
-        "sim_band, sim_band_full (the locality pick; sim_band=none: the cost-band rule, with cost_band), "
+        "a parameter of the policy as NAME=VALUE; repeat. eldr_balanced: load_cap, load_slack, cost_band, "
+        "sim_band, sim_band_full (sim_band=none, the default: the cost-band rule; a number: the locality pick), "
         "and the step-time law base_s, per_seq_s, per_expert_s, max_batch; state_aware: the step-time "
         "law; eldr: tau. In a config file, a mapping of NAME: VALUE or a list of NAME=VALUE", (),
         repeat=True)

@@ -1,10 +1,11 @@
-"""The fast decision path of ``eldr_balanced`` / ``state_aware`` decides exactly as the code
-it replaced: a seeded random sequence of explain / admit / release / engine reports / step
-laws / server churn runs through the package's policy and through ``_Reference*`` below,
-a copy of the pre-change logic (state_aware.py and eldr_balanced.py before the per-request
-cost work), and every decision, every similarity and cost, and the whole live-batch state
-(float64 log-domain sums, float32 free rows, expected distinct experts) must be equal,
-bit for bit (NaN equal to NaN). The oracle keeps its own state; it shares only the
+"""The fast decision path of ``eldr_balanced`` / ``state_aware`` decides exactly as the plain
+code: a seeded random sequence of explain / admit / release / engine reports / step laws /
+server churn runs through the package's policy and through ``_Reference*`` below (the
+logic without the fast paths: every changed server's free row refreshed at each decision,
+every server priced, no lazy similarities), and every decision, every similarity and
+cost, and the whole live-batch state (float64 log-domain sums, and the float32 free rows
+and expected distinct experts of every server that neither side holds stale) must be
+equal, bit for bit (NaN equal to NaN). The oracle keeps its own state; it shares only the
 unchanged pieces (centroid ownership, the locality helpers, Decision)."""
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from eldr_sglang.core.policies import RouteRequest, StateAwarePolicy, StepCost
 from eldr_sglang.core.policies import state_aware as sa_module
 from eldr_sglang.core.policies.base import Decision, LazyDecision, _candidates, least_loaded
 from eldr_sglang.core.policies.eldr import CentroidOwnership
-from eldr_sglang.core.policies.eldr_balanced import BALANCED_COST, EldrBalancedPolicy
+from eldr_sglang.core.policies.eldr_balanced import (BALANCED_COST, DEFAULT_COST_BAND, DEFAULT_LOAD_CAP,
+                                                     DEFAULT_LOAD_SLACK, DEFAULT_SIM_BAND, DEFAULT_SIM_BAND_FULL,
+                                                     EldrBalancedPolicy)
 from eldr_sglang.core.policies.locality import band_width, bounded, region_band
 
 _P_MAX32 = np.float32(1.0 - 1e-6)
@@ -31,8 +34,8 @@ _RESET_EVERY = 3  # both sides (the package's is monkeypatched to it): recompute
 
 # ---------------------------------------------------------------- the oracle: the pre-change code
 def _reference_unused_log(p: np.ndarray) -> np.ndarray:
-    q = np.maximum(p, np.float32(0.0))
-    np.minimum(q, _P_MAX32, out=q)
+    q = np.fmax(p, np.float32(0.0))  # NaN: 0
+    np.fmin(q, _P_MAX32, out=q)
     np.negative(q, out=q)
     np.log1p(q, out=q)
     return q.astype(np.float64)
@@ -78,7 +81,6 @@ class _ReferenceStateAware:
             self.free = np.ones((n, dim), dtype=np.float32)
             self.unique = np.zeros(n)
             self.offset = np.zeros((n, dim))
-            self._row = np.empty(dim)
         elif dim != self.dim:
             raise ValueError("dims")
 
@@ -138,36 +140,16 @@ class _ReferenceStateAware:
         return total
 
     def _refresh(self):
-        stale = self._stale
-        if not stale:
-            return
-        rows = list(stale)
-        stale.clear()
-        if self._reported:
-            self._refresh_reported(rows)
-            return
-        if len(rows) == 1:
-            i = rows[0]
-            f = np.maximum(self.log_free[i], _LOG_FREE_MIN, out=self._row)
-            np.exp(f, out=f)
-            u = self.unique[i] = self.dim - float(f.sum())
-            np.copyto(self.free[i], f, casting="same_kind")
-        else:
-            f = np.exp(np.maximum(self.log_free[rows], _LOG_FREE_MIN))
-            self.unique[rows] = self.dim - f.sum(axis=1)
-            self.free[rows] = f
-            u = float(self.unique[rows].sum())
-        if not math.isfinite(u):
-            self._repair(rows)
-
-    def _refresh_reported(self, rows):
-        lf = self.log_free[rows] + self.offset[rows]
-        f = np.exp(np.clip(lf, _LOG_FREE_MIN, 0.0))
-        self.unique[rows] = self.dim - f.sum(axis=1)
-        self.free[rows] = f
-        if not math.isfinite(float(self.unique[rows].sum())):
-            self.offset[rows] = np.nan_to_num(self.offset[rows], nan=0.0)
-            self._repair(rows)
+        rows = list(self._stale)
+        self._stale.clear()
+        for i in rows:
+            lf = self.log_free[i] + self.offset[i] if i in self._reported else self.log_free[i]
+            f = lf.astype(np.float32)
+            if i in self._reported:
+                f = np.minimum(f, np.float32(0.0))
+            f = np.exp(np.maximum(f, np.float32(_LOG_FREE_MIN)))
+            self.free[i] = f
+            self.unique[i] = self.dim - float(f.sum())
 
     def observe_engine(self, index, log_free):
         if log_free is None:
@@ -177,22 +159,12 @@ class _ReferenceStateAware:
         else:
             v = np.asarray(log_free, dtype=np.float64).reshape(-1)
             self._ensure(v.size)
-            self.offset[index] = np.minimum(v, 0.0) - self.log_free[index]
+            self.offset[index] = np.fmin(np.nan_to_num(v, nan=0.0), 0.0) - self.log_free[index]
             self._reported.add(index)
         self._stale.add(index)
 
     def set_step_law(self, index, law):
         self.laws[index] = law
-
-    def _repair(self, rows):
-        for i in rows:
-            s = self.servers[i]
-            for t in s.tokens:
-                np.nan_to_num(t.log_q, copy=False, nan=0.0)
-            self.log_free[i] = self._recomputed(s) if s.tokens else 0.0
-            s.releases = 0
-            self._stale.add(i)
-        self._refresh()
 
     def expected_unique(self):
         if self.log_free is None:
@@ -245,9 +217,10 @@ class _ReferenceStateAware:
             u = self.unique.tolist()
             if rows is not None:
                 du = [0.0] * n
-                part = np.dot(self.free[rows], p).tolist()
+                part = [float(np.dot(self.free[i], p)) for i in rows]
                 if not math.isfinite(sum(part)):
-                    part = np.dot(self.free[rows], np.nan_to_num(p, nan=0.0, posinf=1.0, neginf=0.0)).tolist()
+                    q = np.nan_to_num(p, nan=0.0, posinf=1.0, neginf=0.0)
+                    part = [float(np.dot(self.free[i], q)) for i in rows]
                 for i, d in zip(rows, part):
                     du[i] = d
             else:
@@ -301,8 +274,9 @@ class _ReferenceBalanced(_ReferenceStateAware):
     name = "eldr_balanced"
     BAND_SCAN_MAX = 4
 
-    def __init__(self, num_servers, cost=BALANCED_COST, centroids=None, cost_band=0.02, load_cap=1.25,
-                 sim_band=0.05, sim_band_full=0.15, load_slack=3.0):
+    def __init__(self, num_servers, cost=BALANCED_COST, centroids=None, cost_band=DEFAULT_COST_BAND,
+                 load_cap=DEFAULT_LOAD_CAP, sim_band=DEFAULT_SIM_BAND, sim_band_full=DEFAULT_SIM_BAND_FULL,
+                 load_slack=DEFAULT_LOAD_SLACK):
         super().__init__(num_servers, cost)
         self.cost_band, self.load_cap, self.load_slack = cost_band, load_cap, load_slack
         self.sim_band, self.sim_band_full = sim_band, sim_band_full
@@ -381,18 +355,22 @@ def _check_decision(got: Decision, want: Decision) -> None:
 
 
 def _check_state(pol, ref) -> None:
-    for name in ("log_free", "free", "unique", "offset"):
+    for name in ("log_free", "offset"):
         assert _same(getattr(pol, name), getattr(ref, name)), name
-    assert pol._stale == ref._stale and pol._reported == ref._reported
+    fresh = [i for i in range(len(pol.servers)) if i not in pol._stale | ref._stale]
+    for name in ("free", "unique"):  # a stale row is refreshed when a decision reads it
+        assert _same(getattr(pol, name)[fresh], getattr(ref, name)[fresh]), name
+    assert pol._stale >= ref._stale and pol._reported == ref._reported
     assert [s.live for s in pol.servers] == [s.live for s in ref.servers]
     assert [s.releases for s in pol.servers] == [s.releases for s in ref.servers]
     assert pol.fallbacks == ref.fallbacks and pol.laws == ref.laws
 
 
 CONFIGS = {
-    "default": dict(),  # the band-first locality pick (the router's default)
-    "cost_band": dict(sim_band=None),
-    "no_cap": dict(load_cap=None, sim_band_full=None),
+    "default": dict(),  # the router's default (bounded load, cost band, most similar)
+    "cost_band_2pct": dict(cost_band=0.02, load_cap=None),
+    "locality_pick": dict(sim_band=0.05, sim_band_full=0.15),  # the band-first pick
+    "no_cap": dict(load_cap=None, sim_band=0.05, sim_band_full=None),
     "no_artifact": dict(centroids=False),
     "fewer_centroids": dict(centroids=3),  # servers own several centroids
     "state_aware": dict(plain=True),

@@ -35,8 +35,13 @@ def bounded(cand: list[int], loads: Sequence[int], load_cap: Optional[float], sl
     or fewer than two candidates. Never empty for a non-empty ``cand``."""
     if load_cap is None or len(cand) < 2:
         return cand
-    cap = math.ceil(load_cap * (sum(loads[i] for i in cand) + 1) / len(cand) + slack)
+    cap = math.ceil(load_cap * (_total(loads, cand) + 1) / len(cand) + slack)
     return [i for i in cand if loads[i] < cap] or cand
+
+
+def _total(loads: Sequence[int], cand: list[int]) -> int:
+    """The candidates' in-flight count (every server's: one C-level sum)."""
+    return sum(loads) if len(cand) == len(loads) else sum(loads[i] for i in cand)
 
 
 def region_band(cand: list[int], sims: Sequence[float], sim_band: float) -> list[int]:
@@ -57,7 +62,7 @@ def band_width(sim_band: float, sim_band_full: Optional[float], loads: Sequence[
     constant beyond (``sim_band`` alone if ``sim_band_full`` is None)."""
     if sim_band_full is None or not cand:
         return sim_band
-    mean = sum(loads[i] for i in cand) / len(cand)
+    mean = _total(loads, cand) / len(cand)
     return sim_band + (sim_band_full - sim_band) * min(1.0, mean / max(full, 1))
 
 

@@ -9,10 +9,11 @@ experts is ``U[s] = sum(1 - free[s])`` (the simulator's expected-union formula),
 new request adds ``dU = free[s] @ p`` of them: one [N, D] matvec per decision.
 
 The state is kept so that it cannot drift: ``log_free[s] = sum_r log(1 - p_r)`` in
-float64 (``p`` clamped to ``[0, P_MAX]``, so every term is finite), so a release is an
-exact subtraction of what its admit added; ``free`` (float32, for the matvec) and
-``U`` (float64, ``-sum(expm1(log_free))``) are derived from it for the servers that
-changed since the last decision. A server that empties is reset to exactly zero, and
+float64 (``p`` clamped to ``[0, P_MAX]``, NaN as 0, so every term is finite), so a
+release is an exact subtraction of what its admit added; ``free = exp(log_free)``
+(float32, for the matvec) and ``U = D - sum(free)`` (float32 exp and sum: within ~1e-3
+experts at D = 6,144) are derived from it when a decision reads a server that changed
+(the locality pick reads only its band's). A server that empties is reset to exactly zero, and
 every :data:`RESET_EVERY` releases of a server its sums are recomputed from its live
 requests. (A float32 product multiplied on admit and divided on release underflowed
 under concentrated load and could not be divided back: a server's distinct experts
@@ -52,6 +53,7 @@ from eldr_sglang.core.policies.params import check_int, check_number
 P_MAX = 1.0 - 1e-6  # an expert used by every token still leaves 1 - p > 0: log(1 - p) >= -13.8
 _P_MAX32 = np.float32(P_MAX)
 LOG_FREE_MIN = -80.0  # exp(log_free) is computed from max(log_free, this)
+_LOG_FREE_MIN32 = np.float32(LOG_FREE_MIN)
 RESET_EVERY = 4096  # releases of one server between two recomputes of its sums from its live requests
 
 
@@ -107,18 +109,17 @@ def _bounds32(n: int) -> tuple[np.ndarray, np.ndarray]:
 
 def unused_log(p: np.ndarray) -> np.ndarray:
     """``log(1 - p)`` (float64 of a float32 log1p) with ``p`` clamped to ``[0, P_MAX]``
-    (-inf: 0, +inf: ``P_MAX``), so every term is <= 0 and finite; NaN stays NaN here
-    (fmax/fmin would catch it at 3x the cost of maximum/minimum): :meth:`StateAwarePolicy._refresh`
-    finds it in a server's sum and sets it to 0 (p = 0)."""
+    (-inf and NaN: 0, +inf: ``P_MAX``), so every term is <= 0 and finite: a server's sums
+    never hold a value that is not a number."""
     if p.dtype == np.float32 and p.ndim == 1:
-        # the same clamps against constant rows: numpy's maximum/minimum with an array
-        # operand take their SIMD loop, with a scalar one ~2-3x slower at D = 6,144
+        # the same clamps against constant rows: numpy's fmax/fmin with an array operand
+        # take their SIMD loop, with a scalar one ~2-3x slower at D = 6,144
         lo, hi = _bounds32(p.shape[0])
-        q = np.maximum(p, lo)
-        np.minimum(q, hi, out=q)
+        q = np.fmax(p, lo)
+        np.fmin(q, hi, out=q)
     else:
-        q = np.maximum(p, np.float32(0.0))
-        np.minimum(q, _P_MAX32, out=q)
+        q = np.fmax(p, np.float32(0.0))
+        np.fmin(q, _P_MAX32, out=q)
     np.negative(q, out=q)
     np.log1p(q, out=q)
     return q.astype(np.float64)  # float64 += float64 is ~4x faster than += float32
@@ -162,8 +163,7 @@ class StateAwarePolicy(Policy):
             self.free = np.ones((n, dim), dtype=np.float32)
             self.unique = np.zeros(n)
             self.offset = np.zeros((n, dim))
-            self._row = np.empty(dim)  # scratch row of _refresh
-            self._floor = np.full(dim, LOG_FREE_MIN)  # _refresh's clamp as an array operand (SIMD)
+            self._floor = np.full(dim, _LOG_FREE_MIN32)  # _refresh's clamp as an array operand (SIMD)
             self._floor.flags.writeable = False
         elif dim != self.dim:
             raise ValueError(f"activation has {dim} dims, the policy tracks {self.dim}")
@@ -226,46 +226,36 @@ class StateAwarePolicy(Policy):
             total = t.log_q.copy() if total is None else np.add(total, t.log_q, out=total)
         return total
 
-    def _refresh(self) -> None:
-        """``free`` and ``unique`` of the servers that changed, from ``log_free``."""
+    def _refresh(self, only: Optional[list[int]] = None) -> None:
+        """``free`` and ``unique`` of the servers that changed, from ``log_free`` (``only``:
+        of those among these servers; the others stay stale until they are read)."""
         stale = self._stale
         if not stale:
             return
-        rows = list(stale)
-        stale.clear()
-        # exp of a very negative number is both ~0 and slow (numpy leaves its SIMD path for
-        # results below the normal range): clamped at LOG_FREE_MIN, the error per expert
-        # is below e^-80 ~ 2e-35
-        if self._reported:
-            self._refresh_reported(rows)
-            return
-        if len(rows) <= 4:  # row by row: the same values as the [rows, D] form, without its copies
-            f, floor, dim, unique, log_free, free = self._row, self._floor, self.dim, self.unique, \
-                self.log_free, self.free
-            u = 0.0
-            for i in rows:
-                np.maximum(log_free[i], floor, out=f)
-                np.exp(f, out=f)
-                ui = unique[i] = dim - float(f.sum())
-                u += ui
-                np.copyto(free[i], f, casting="same_kind")
+        if only is None:
+            rows = list(stale)
+            stale.clear()
         else:
-            f = np.exp(np.maximum(self.log_free[rows], LOG_FREE_MIN))
-            self.unique[rows] = self.dim - f.sum(axis=1)
-            self.free[rows] = f
-            u = float(self.unique[rows].sum())
-        if not math.isfinite(u):  # a probability that was not a number (NaN): count it as 0
-            self._repair(rows)
-
-    def _refresh_reported(self, rows: list[int]) -> None:
-        """:meth:`_refresh` with the engine reports' offsets (clamped at 0)."""
-        lf = self.log_free[rows] + self.offset[rows]
-        f = np.exp(np.clip(lf, LOG_FREE_MIN, 0.0))
-        self.unique[rows] = self.dim - f.sum(axis=1)
-        self.free[rows] = f
-        if not math.isfinite(float(self.unique[rows].sum())):
-            self.offset[rows] = np.nan_to_num(self.offset[rows], nan=0.0)
-            self._repair(rows)
+            rows = [i for i in only if i in stale]
+            if not rows:
+                return
+            stale.difference_update(rows)
+        # row by row in float32, in place in the free rows: log_free (plus the engine report's
+        # offset, clamped at 0: nothing is more than free) clamped at LOG_FREE_MIN, then exp
+        # (exp of a very negative number is both ~0 and slow: numpy leaves its SIMD path below
+        # the normal range; the error per expert is below e^-80 ~ 2e-35)
+        dim, unique, log_free, free, floor = self.dim, self.unique, self.log_free, self.free, self._floor
+        reported, offset = self._reported, self.offset
+        for i in rows:
+            f = free[i]
+            if i in reported:
+                np.copyto(f, log_free[i] + offset[i], casting="same_kind")
+                np.minimum(f, np.float32(0.0), out=f)
+            else:
+                np.copyto(f, log_free[i], casting="same_kind")
+            np.maximum(f, floor, out=f)
+            np.exp(f, out=f)
+            unique[i] = dim - float(f.sum())
 
     # ------------------------------------------------------------ engine reports
     def observe_engine(self, index: int, log_free: Optional[np.ndarray]) -> None:
@@ -280,7 +270,7 @@ class StateAwarePolicy(Policy):
         else:
             v = np.asarray(log_free, dtype=np.float64).reshape(-1)
             self._ensure(v.size)
-            self.offset[index] = np.minimum(v, 0.0) - self.log_free[index]
+            self.offset[index] = np.fmin(np.nan_to_num(v, nan=0.0), 0.0) - self.log_free[index]
             self._reported.add(index)
         self._stale.add(index)
 
@@ -288,16 +278,6 @@ class StateAwarePolicy(Policy):
         """Price server ``index`` with ``law`` (fitted from its engine's steps), or with
         the policy's own cost again (None)."""
         self.laws[index] = law
-
-    def _repair(self, rows: list[int]) -> None:
-        for i in rows:
-            s = self.servers[i]
-            for t in s.tokens:
-                np.nan_to_num(t.log_q, copy=False, nan=0.0)
-            self.log_free[i] = self._recomputed(s) if s.tokens else 0.0
-            s.releases = 0
-            self._stale.add(i)
-        self._refresh()
 
     def expected_unique(self) -> np.ndarray:
         """[N] expected distinct experts of each server's live batch (published layers)."""
@@ -349,13 +329,15 @@ class StateAwarePolicy(Policy):
         else:
             p = self._vector(request.activation)
             self._ensure(p.size)
-            self._refresh()
+            self._refresh(rows)
             u = self.unique.tolist()
             if rows is not None:
                 du = [0.0] * n
-                part = np.dot(self.free[rows], p).tolist()
+                free = self.free
+                part = [float(np.dot(free[i], p)) for i in rows]
                 if not math.isfinite(sum(part)):
-                    part = np.dot(self.free[rows], np.nan_to_num(p, nan=0.0, posinf=1.0, neginf=0.0)).tolist()
+                    q = np.nan_to_num(p, nan=0.0, posinf=1.0, neginf=0.0)
+                    part = [float(np.dot(free[i], q)) for i in rows]
                 for i, d in zip(rows, part):
                     du[i] = d
             else:
