@@ -71,9 +71,18 @@ def deployment(tmp_path):
             pass
 
 
+def terminal_signals() -> None:
+    """SIGINT and SIGTERM as a terminal leaves them: a shell cannot trap a signal that was
+    ignored when it started, and this process may have inherited (or been left) SIGINT
+    ignored or blocked by what ran before it in the session."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
 def start(script: Path, env: dict, tmp: Path, **kw) -> subprocess.Popen:
     return subprocess.Popen(["bash", str(script)], env={**env, **kw}, stdout=open(tmp / "out.txt", "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=terminal_signals)
 
 
 def output(tmp: Path) -> str:
