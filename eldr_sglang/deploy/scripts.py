@@ -67,14 +67,6 @@ check_alive() {  # every process of this node still runs; else name it, stop the
   done < "$PIDS"
 }
 
-all_running() {  # every process of this node still runs (false once the stop script removed the list)
-  local name pid
-  [ -f "$PIDS" ] || return 1
-  while read -r name pid; do
-    kill -0 "$pid" 2> /dev/null || return 1
-  done < "$PIDS"
-}
-
 wait_healthy() {  # wait_healthy URL...: each answers /health within START_TIMEOUT
   local url
   for url in "$@"; do
@@ -136,9 +128,7 @@ def start_script(cluster: Cluster, node_name: str, launches: list[Launch]) -> st
         body += [_start_line(router), f"wait_healthy {router.url}"]
     body += [f'echo "{node_name} is up ({len(mine)} processes); stop: $(dirname "$0")/{node_name}-stop.sh '
              'or Ctrl-C"',
-             # not `wait -n`: a trapped signal that lands just before it blocks until a
-             # server exits (Ctrl-C ignored); a 1-s sleep bounds that wait
-             "while all_running; do sleep 1 & wait $! 2> /dev/null; done",
+             "wait -n",
              'if [ -e "$LOG_DIR/$NODE.stopping" ]; then rm -f "$LOG_DIR/$NODE.stopping"; '
              'echo "$NODE stopped"; exit 0; fi',
              "echo \"error: a process of $NODE exited; stopping the others\" >&2",
