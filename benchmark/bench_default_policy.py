@@ -42,7 +42,8 @@ from benchmark.rules import BALANCERS, CANDIDATE, GOODPUT_POLICIES, decide, good
 from benchmark.routing_cache import routing_for
 from eldr_sglang.sim import experiments
 from eldr_sglang.core.policies import PolicyContext, build_policy
-from eldr_sglang.core.policies.eldr_balanced import EldrBalancedPolicy
+from eldr_sglang.core.policies.eldr_balanced import BalancedParams, EldrBalancedPolicy
+from eldr_sglang.core.policies.params import parse_params, split_assignments
 from eldr_sglang.sim.calibration import prefill_activations
 from eldr_sglang.sim.cost_model import get_params, step_cost
 from eldr_sglang.sim.simulator import simulate
@@ -267,7 +268,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     a = grid_bench.parse_args(["--quick"] if args.quick else [])
     STATE["args"] = a
-    STATE["policy_param"] = dict(kv.partition("=")[::2] for kv in args.policy_param)
+    try:  # the router's parsing and checks: a bad name or value stops here, naming the field
+        STATE["policy_param"] = split_assignments(args.policy_param, "--policy-param")
+        parse_params(CANDIDATE, BalancedParams, STATE["policy_param"])
+    except ValueError as e:
+        build_parser().error(str(e))
     STATE["data"] = {wl: experiments.load_workload(wl, a.traces_root, a.work_dir, experiments.FULL, 600.0, 300.0) for wl in wls}
     tasks = configs(a, g, wls)
     saved = {} if args.quick else {key(r): r for r in reference_runs(g, wls)}
