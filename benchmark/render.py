@@ -12,7 +12,9 @@ import json
 import numpy as np
 
 from benchmark.common import markdown_table, mean_sd
-from benchmark.rules import decide, goodput_of, headline_lines
+from benchmark.rules import CANDIDATE, decide, goodput_of, headline_lines
+from eldr_sglang.core.policies.eldr_balanced import (DEFAULT_COST_BAND, DEFAULT_COST_BAND_FULL, DEFAULT_LOAD_CAP,
+                                                     DEFAULT_LOAD_SLACK)
 from eldr_sglang.sim import experiments
 from eldr_sglang.sim.cost_model import PAPER_EXPERT_RATIO, get_params, moe_layer_time
 
@@ -296,25 +298,34 @@ def _claims(w, runs, sweep, wls, heads, goods, nseeds) -> None:
 
 
 def _default_policy(w, out_dir) -> None:
-    """The default policy's verdict (results/default_policy.json) and the locality pick (results/locality.md)."""
+    """The default policy's verdict (results/default_policy.json), the analysis of it and of the rules
+    screened against it (results/default_policy_notes.md, written from the runs it names) and its
+    locality (results/locality.md)."""
     default_json = out_dir / "results" / "default_policy.json"
     if default_json.is_file():
         doc = json.loads(default_json.read_text())
         doc["decision"] = decide(doc["runs"], doc["grid"], doc["grid"]["workloads"])
+        g = doc["grid"]
+        n_runs = sum(r.get("policy") == CANDIDATE for r in doc["runs"])
         w("## The router's default policy: eldr_balanced (simulated)\n")
-        w("`eldr_balanced` (`eldr_sglang/core/policies/eldr_balanced.py`) as it was until the locality pick below "
-          "became its default (`--policy-param sim_band=none --policy-param load_cap=none`): it prices each decode "
-          "server's live batch with the step-time law (state-aware cost), and among the servers within 2% of the "
-          "cheapest takes the one whose calibration region is most similar to the request. Judged against the "
-          "balancers, ELDR's band rule, "
+        w(f"`eldr_balanced` (`eldr_sglang/core/policies/eldr_balanced.py`): bounded load (a server takes the "
+          f"request while it holds fewer than ceil({DEFAULT_LOAD_CAP:g} x mean + {DEFAULT_LOAD_SLACK:g}) in flight), "
+          f"then among the servers within {100 * DEFAULT_COST_BAND:g}% of the cheapest state-aware cost (the "
+          "step-time law priced on each server's live batch; "
+          f"{100 * DEFAULT_COST_BAND_FULL:g}% once the mean in flight reaches a full batch), the one whose "
+          "calibration region is most similar to the request. Judged against the balancers, ELDR's band rule, "
           "Domain and the oracle grouping by a fixed decision rule; every check and table in "
           "[results/default_policy.md](results/default_policy.md) "
-          f"(`{doc['command']}`; 8/16/24 decode servers, 5 seeds, both workloads):\n")
+          f"(`{doc['command']}`; {'/'.join(map(str, g['pools']))} decode servers, {g['seeds']} seeds, both "
+          f"workloads; {n_runs} runs of the candidate):\n")
         for line in headline_lines(doc):
             w(line)
         w("")
+        notes = out_dir / "results" / "default_policy_notes.md"
+        if notes.is_file():
+            w(notes.read_text())
     locality_md = out_dir / "results" / "locality.md"
-    if locality_md.is_file():  # benchmark/bench_locality.py: the default's locality pick against the rule above
+    if locality_md.is_file():  # benchmark/bench_locality.py: the default against the rules it was chosen between
         w(locality_md.read_text())
 
 

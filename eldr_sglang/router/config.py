@@ -43,7 +43,7 @@ class RouterConfig:
     tau: Optional[float] = _opt("locality band; default: the artifact's tau (0 included)")
     policy_param: tuple[str, ...] = _opt(
         "a parameter of the policy as NAME=VALUE; repeat. eldr_balanced: load_cap, load_slack, cost_band, "
-        "sim_band, sim_band_full (sim_band=none, the default: the cost-band rule; a number: the locality pick), "
+        "cost_band_full, sim_band, sim_band_full (sim_band=none, the default: the cost-band rule; a number: the locality pick), "
         "and the step-time law base_s, per_seq_s, per_expert_s, max_batch; state_aware: the step-time "
         "law; eldr: tau. In a config file, a mapping of NAME: VALUE or a list of NAME=VALUE", (),
         repeat=True)

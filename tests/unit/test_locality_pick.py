@@ -5,12 +5,13 @@ burst of one kind or a shift to a kind the calibration never saw cannot pile req
 cost-band rule). Small synthetic data, no clock."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from eldr_sglang.core.policies import PolicyContext, RouteRequest, build_policy
 from eldr_sglang.core.policies.eldr_balanced import (DEFAULT_COST_BAND, DEFAULT_LOAD_CAP, DEFAULT_LOAD_SLACK,
                                                      BalancedParams)
-from eldr_sglang.core.policies.locality import bounded, locality_pick, region_band
+from eldr_sglang.core.policies.locality import bounded, locality_pick, queue_band, region_band
 from eldr_sglang.core.policies.state_aware import StepCost
 
 from tests.unit.test_eldr_balanced import E, act, sig  # 8 experts per layer, 2 layers
@@ -155,3 +156,29 @@ def test_a_policy_decision_never_raises_and_never_leaves_the_allowed_set():
         allowed = (rng.random(4) < 0.5).tolist()
         idx = pol.choose(req(KINDS["abcd"[rng.integers(4)]]), loads, allowed)
         assert allowed[idx] or not any(allowed)
+
+
+def test_once_every_batch_is_full_the_cost_band_widens_to_cost_band_full():
+    """Below a full batch the cheapest server within cost_band wins; once the mean in flight reaches
+    max_batch (requests queue, a step's distinct experts set the throughput), the band is
+    cost_band_full and the request's home region wins a cost gap it would not below."""
+    law = dict(base_s=0.1, per_seq_s=0.001, per_expert_s=0.1, max_batch=4)
+
+    def pol(**params):
+        p = build_policy("eldr_balanced", PolicyContext(2, centroids=CENTROIDS[:2], params={**law, **params}))
+        p.admit(0, RouteRequest(activation=act(4)))  # home (server 0) runs one expert more per layer
+        return p
+
+    r = req(KINDS["a"])
+    for loads in ([2, 2], [4, 4]):
+        costs = pol().scores(r, loads)
+        assert 1.05 < costs[0] / costs[1] < 1.3, costs  # home costs 5-30% more: outside the 5% band
+    assert queue_band(0.05, 0.3, [2, 2], [0, 1], 4) == 0.05 and queue_band(0.05, 0.3, [3, 5], [0, 1], 4) == 0.3
+    assert queue_band(0.05, None, [9, 9], [0, 1], 4) == 0.05
+    wide = pol(cost_band_full=0.3)
+    assert wide.choose(r, [2, 2]) == 1  # batches not full: the cheaper server
+    d = wide.explain(r, [4, 4])
+    assert d.index == 0 and d.band == (0, 1), d  # full: the band holds both, home wins
+    assert pol(cost_band_full=None).choose(r, [4, 4]) == 1  # without it: the cheaper server still
+    with pytest.raises(ValueError, match="cost_band_full"):
+        BalancedParams(cost_band_full=-0.1)

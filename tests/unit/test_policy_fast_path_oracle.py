@@ -22,8 +22,9 @@ from eldr_sglang.core.policies.base import Decision, LazyDecision, _candidates, 
 from eldr_sglang.core.policies.eldr import CentroidOwnership
 from eldr_sglang.core.policies.eldr_balanced import (BALANCED_COST, DEFAULT_COST_BAND, DEFAULT_LOAD_CAP,
                                                      DEFAULT_LOAD_SLACK, DEFAULT_SIM_BAND, DEFAULT_SIM_BAND_FULL,
+                                                     DEFAULT_COST_BAND_FULL,
                                                      EldrBalancedPolicy)
-from eldr_sglang.core.policies.locality import band_width, bounded, region_band
+from eldr_sglang.core.policies.locality import band_width, bounded, queue_band, region_band
 
 _P_MAX32 = np.float32(1.0 - 1e-6)
 _LOG_FREE_MIN = -80.0
@@ -276,9 +277,10 @@ class _ReferenceBalanced(_ReferenceStateAware):
 
     def __init__(self, num_servers, cost=BALANCED_COST, centroids=None, cost_band=DEFAULT_COST_BAND,
                  load_cap=DEFAULT_LOAD_CAP, sim_band=DEFAULT_SIM_BAND, sim_band_full=DEFAULT_SIM_BAND_FULL,
-                 load_slack=DEFAULT_LOAD_SLACK):
+                 load_slack=DEFAULT_LOAD_SLACK, cost_band_full=DEFAULT_COST_BAND_FULL):
         super().__init__(num_servers, cost)
         self.cost_band, self.load_cap, self.load_slack = cost_band, load_cap, load_slack
+        self.cost_band_full = cost_band_full
         self.sim_band, self.sim_band_full = sim_band, sim_band_full
         self.ownership = None if centroids is None else CentroidOwnership(centroids, num_servers)
         self.centroids = None if self.ownership is None else self.ownership.centroids
@@ -309,7 +311,7 @@ class _ReferenceBalanced(_ReferenceStateAware):
                             band=(cheapest,), server_similarities=-np.asarray(costs))
         sig = np.asarray(request.signature, dtype=np.float32).reshape(-1)
         best = costs[cheapest]
-        limit = best + abs(best) * self.cost_band
+        limit = best + abs(best) * queue_band(self.cost_band, self.cost_band_full, loads, cand, self.cost.max_batch)
         band = [i for i in cand if costs[i] <= limit]
         if len(band) <= self.BAND_SCAN_MAX:
             own = self.ownership
@@ -369,6 +371,7 @@ def _check_state(pol, ref) -> None:
 CONFIGS = {
     "default": dict(),  # the router's default (bounded load, cost band, most similar)
     "cost_band_2pct": dict(cost_band=0.02, load_cap=None),
+    "fixed_band": dict(cost_band_full=None),  # the 5% band at every load
     "locality_pick": dict(sim_band=0.05, sim_band_full=0.15),  # the band-first pick
     "no_cap": dict(load_cap=None, sim_band=0.05, sim_band_full=None),
     "no_artifact": dict(centroids=False),

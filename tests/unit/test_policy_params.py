@@ -20,7 +20,7 @@ from eldr_sglang.router.config import RouterConfig
 WORKERS = ["--prefill", "http://127.0.0.1:30000", "8998", "--decode", "http://127.0.0.1:30001",
            "--decode", "http://127.0.0.1:30002"]
 LAW = ("base_s", "per_seq_s", "per_expert_s", "max_batch")
-BALANCED = ("cost_band", "load_cap", "load_slack", "sim_band", "sim_band_full", *LAW)
+BALANCED = ("cost_band", "cost_band_full", "load_cap", "load_slack", "sim_band", "sim_band_full", *LAW)
 
 
 def test_each_policy_declares_its_parameters():

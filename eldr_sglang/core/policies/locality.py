@@ -66,6 +66,15 @@ def band_width(sim_band: float, sim_band_full: Optional[float], loads: Sequence[
     return sim_band + (sim_band_full - sim_band) * min(1.0, mean / max(full, 1))
 
 
+def queue_band(band: float, band_full: Optional[float], loads: Sequence[int], cand: list[int], full: int) -> float:
+    """The cost band: ``band`` until the candidates' mean in-flight count reaches ``full`` (every
+    batch full: requests queue, and a step's distinct experts set the throughput), then
+    ``band_full`` (``band`` alone if ``band_full`` is None)."""
+    if band_full is None or not cand:
+        return band
+    return band_full if _total(loads, cand) >= full * len(cand) else band
+
+
 def locality_pick(cand: list[int], loads: Sequence[int], costs: Sequence[float], sims: Sequence[float],
                   load_cap: Optional[float], sim_band: float) -> tuple[int, list[int]]:
     """(server, band): bounded load, then the similarity band, then the least cost (ties:
