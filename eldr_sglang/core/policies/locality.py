@@ -14,6 +14,9 @@ work; numpy calls cost more at this size), shared by :mod:`.eldr_balanced` and i
    server's live batch), so co-owners and near regions split a region's traffic by what
    each batch would pay.
 
+:func:`band_width` widens the similarity band with load; :func:`queue_band` is the cost-band
+rule's band, wider once every batch is full.
+
 Where ``eldr`` (least loaded within tau of the best similarity, no cap) piles a burst of
 one kind onto its region, the cap sends the overflow to the next most similar region;
 where the plain cost band (cheapest, then similarity within 2% of it) lets the momentary
