@@ -68,6 +68,7 @@ class PhaseReport:
     by_batch: dict[int, list[int]] = field(default_factory=dict)  # batch size -> distinct experts per step
     router_counters: dict[str, int] = field(default_factory=dict)  # the router's /eldr/status counters
     home: list[bool] = field(default_factory=list)  # per scored decision: went to its most similar region
+    band_home: list[bool] = field(default_factory=list)  # per decision with a band of 2+: its most similar member
     wall: float = 0.0
 
     def unique_overall(self) -> float:
@@ -176,6 +177,9 @@ def run_phase(cluster: lc.PDCluster, router: lc.ManagedProcess, policy: str, row
         sims = decision.get("server_similarities")
         if mine and sims:
             report.home.append(decision["decode"] == max(sims, key=sims.get))
+            band = [u for u in decision.get("band") or () if u in sims]
+            if len(band) > 1:
+                report.band_home.append(decision["decode"] == max(band, key=sims.get))
     for url in after:
         du, ds = after[url][0] - before[url][0], after[url][1] - before[url][1]
         report.steps[url] = ds
@@ -250,6 +254,10 @@ def report_json(reports: list[PhaseReport], decode_urls: list[str]) -> dict:
             # share of signature-scored decisions sent to the most similar region (None: not scored;
             # a signature-blind balancer sends 1/N there on average)
             "home_share": sum(rep.home) / len(rep.home) if rep.home else None,
+            # decisions whose band (the servers the rule let similarity choose among) held 2 or more,
+            # and the share of them that went to the band's most similar region
+            "band_decisions": len(rep.band_home),
+            "band_home_share": sum(rep.band_home) / len(rep.band_home) if rep.band_home else None,
         } for rep in reports},
         "equal_batch_change_pct": change, "matched_steps": matched,
         "vs_baseline": {rep.policy: dict(zip(("equal_batch_change_pct", "matched_steps"),
