@@ -77,8 +77,9 @@ def test_fast_demo_default_policy_balances_and_groups(demo_run):
     this load the default's cost decides most requests alone: one run sent 14 of 32 there
     (a signature-blind balancer: 16 on average), another 25 (11 decisions with a band of
     both servers, all to the more similar); the demo's 3-server runs 46% and 67% (README).
-    A run whose bands never held both servers checks the balance only. Labels are not used: on 32 requests over 8 labels any policy's label entropy is
-    within noise of round robin's."""
+    A run whose bands never held both servers checks the balance only. Labels are not
+    used: on 32 requests over 8 labels any policy's label entropy is within noise of round
+    robin's."""
     done, out, _ = demo_run
     report = json.loads((out / "report.json").read_text())
     bal = report["policies"]["eldr_balanced"]
