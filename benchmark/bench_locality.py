@@ -51,6 +51,7 @@ import numpy as np
 from benchmark.common import command_line, markdown_table, quick_out, write_record
 from benchmark import bench_state_aware as grid_bench
 from benchmark.routing_cache import routing_for
+from benchmark.rules import default_rule
 from eldr_sglang.core.policies import Policy, PolicyContext, build_policy, least_loaded
 from eldr_sglang.core.policies.eldr import CentroidOwnership
 from eldr_sglang.core.traces import write_traces
@@ -481,13 +482,10 @@ def _new_against_old(L: list[str], runs: list[dict], wls: list[str], variants: l
 
 
 INTRO = (
-    "The default `eldr_balanced` (`eldr_sglang/core/policies/eldr_balanced.py`): a server takes the request while "
-    "it holds fewer than ceil(1.25 x mean + 3) in flight (bounded load with 3 requests of slack, which binds only "
-    "once batches are large); among those, the servers within 5% of the cheapest state-aware cost (50% once the "
-    "mean in flight reaches a full batch, 256: requests queue and a step's distinct experts set the throughput); of "
-    "those, the most similar calibration region. `fixed_band` is the same rule with its 5% band at every load "
-    "(`cost_band_full=none`). `old` is the rule before (`sim_band=none,load_cap=none,cost_band=0.02`: no "
-    "cap, a 2% cost band). `locality_pick` (`sim_band=0.05,sim_band_full=0.15`, "
+    f"The default `eldr_balanced` (`eldr_sglang/core/policies/eldr_balanced.py`): {default_rule()}. `fixed_band` "
+    "is the same rule with its cost band the same at every load (`cost_band_full=none`). `old` is the rule before "
+    "(`sim_band=none,load_cap=none,cost_band=0.02`: no "
+"cap, a 2% cost band). `locality_pick` (`sim_band=0.05,sim_band_full=0.15`, "
     "`eldr_sglang/core/policies/locality.py`): bounded load, then the servers whose calibration region is within "
     "0.05 (cosine) of the most similar one, the band widening linearly to 0.15 as the mean in flight nears a full "
     "batch (256), then the cheapest. Rule (a) is judged at equal batch size: the per-step "

@@ -12,9 +12,7 @@ import json
 import numpy as np
 
 from benchmark.common import markdown_table, mean_sd
-from benchmark.rules import CANDIDATE, decide, goodput_of, headline_lines
-from eldr_sglang.core.policies.eldr_balanced import (DEFAULT_COST_BAND, DEFAULT_COST_BAND_FULL, DEFAULT_LOAD_CAP,
-                                                     DEFAULT_LOAD_SLACK)
+from benchmark.rules import CANDIDATE, decide, default_rule, goodput_of, headline_lines
 from eldr_sglang.sim import experiments
 from eldr_sglang.sim.cost_model import PAPER_EXPERT_RATIO, get_params, moe_layer_time
 
@@ -308,12 +306,8 @@ def _default_policy(w, out_dir) -> None:
         g = doc["grid"]
         n_runs = sum(r.get("policy") == CANDIDATE for r in doc["runs"])
         w("## The router's default policy: eldr_balanced (simulated)\n")
-        w(f"`eldr_balanced` (`eldr_sglang/core/policies/eldr_balanced.py`): bounded load (a server takes the "
-          f"request while it holds fewer than ceil({DEFAULT_LOAD_CAP:g} x mean + {DEFAULT_LOAD_SLACK:g}) in flight), "
-          f"then among the servers within {100 * DEFAULT_COST_BAND:g}% of the cheapest state-aware cost (the "
-          "step-time law priced on each server's live batch; "
-          f"{100 * DEFAULT_COST_BAND_FULL:g}% once the mean in flight reaches a full batch), the one whose "
-          "calibration region is most similar to the request. Judged against the balancers, ELDR's band rule, "
+        w(f"`eldr_balanced` (`eldr_sglang/core/policies/eldr_balanced.py`): {default_rule()}. "
+          "Judged against the balancers, ELDR's band rule, "
           "Domain and the oracle grouping by a fixed decision rule; every check and table in "
           "[results/default_policy.md](results/default_policy.md) "
           f"(`{doc['command']}`; {'/'.join(map(str, g['pools']))} decode servers, {g['seeds']} seeds, both "

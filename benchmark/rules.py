@@ -10,11 +10,24 @@ from __future__ import annotations
 
 import numpy as np
 
+from eldr_sglang.core.policies.eldr_balanced import (BALANCED_COST, DEFAULT_COST_BAND, DEFAULT_COST_BAND_FULL,
+                                                     DEFAULT_LOAD_CAP, DEFAULT_LOAD_SLACK)
 from eldr_sglang.sim import experiments
 
 CANDIDATE = "eldr_balanced"
 BALANCERS = ("round_robin", "jsq")
 GOODPUT_POLICIES = ("round_robin", "jsq", "eldr", CANDIDATE)
+
+
+def default_rule() -> str:
+    """The default ``eldr_balanced`` rule in one clause, from its constants (RESULTS.md and
+    ``bench_locality``'s page quote it)."""
+    return (f"a server takes the request while it holds fewer than ceil({DEFAULT_LOAD_CAP:g} x mean + "
+            f"{DEFAULT_LOAD_SLACK:g}) in flight; among those, the servers within {100 * DEFAULT_COST_BAND:g}% of the "
+            "cheapest state-aware cost (the step-time law priced on each server's live batch; "
+            f"{100 * DEFAULT_COST_BAND_FULL:g}% once the mean in flight reaches a full batch, "
+            f"{BALANCED_COST.max_batch}: requests queue and a step's distinct experts set the throughput); of those, "
+            "the one whose calibration region is most similar to the request")
 
 
 def key(r: dict) -> tuple:
