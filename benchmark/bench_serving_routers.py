@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from benchmark.common import free_port, parse_with_quick, quick_out, write_record
+from benchmark.process_cpu import idle_rates, per_request, snapshot
 from benchmark.serving_harness import (BOOTSTRAP_PORT, N_DECODES, PY, STREAM_CHUNKS, Procs, bench_cmd, http_json,
                                        make_artifact, preflight_stream, router_status, run_bench, stub_cmd,
                                        wait_generate)
@@ -139,6 +140,9 @@ def new_doc(argv: Optional[list[str]], repeats: int, modes: dict, paths: list[st
             "eldr-rr post prefill and decode at once",
         ],
         "paths": {}, "runs": [],
+        "cpu_note": "cpu_per_request: CPU us per completed request of each process (its --workers "
+                    "children included), user and system apart, the idle rate (idle_cpu_per_s, "
+                    "measured before the runs) over the client's start-up taken off (benchmark/process_cpu.py)",
     }
 
 
@@ -200,6 +204,8 @@ def run_rounds(procs: Procs, paths: list[str], urls: dict[str, str], mode_list: 
                 dynamic_ncols=True)
     outdir = logdir / "bench"
     outdir.mkdir()
+    pids = {name: proc.pid for name, proc, _ in procs.items}  # the stubs and the routers
+    idle = doc["idle_cpu_per_s"] = idle_rates(pids, 2.0 if doc["config"]["quick"] else 5.0)
     for r in range(repeats):
         order = paths[r % len(paths):] + paths[:r % len(paths)]
         for mode, conc, n in mode_list:
@@ -210,11 +216,15 @@ def run_rounds(procs: Procs, paths: list[str], urls: dict[str, str], mode_list: 
                 out_file = outdir / f"r{r}-{mode}-{p}.jsonl"
                 cmd = bench_cmd(urls[p], conc, n, str(out_file))
                 pbar.set_postfix_str(f"round {r} {mode} {p}")
+                before = snapshot(pids)
                 run = {"round": r, "mode": mode, "path": p, "concurrency": conc, "prompts": n,
                        "cmd": shlex.join(cmd),
                        **run_bench(procs, cmd, out_file, run_timeout, env)}
-                doc["runs"].append(run)
                 res = run.get("result")
+                if res:
+                    run["cpu_per_request"] = per_request(before, snapshot(pids), idle, run["wall_s"],
+                                                         res["duration"], res["completed"])
+                doc["runs"].append(run)
                 if res:
                     msg = (f"round {r} {mode:10s} {p:14s} {res['request_throughput']:8.1f} req/s  "
                            f"p50 {res['median_e2e_latency_ms']:7.3f} ms  "

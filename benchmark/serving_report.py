@@ -28,6 +28,11 @@ def _spread(xs: list[float], fmt: str) -> str:
     return f"{format(_med(xs), fmt)} [{format(min(xs), fmt)}-{format(max(xs), fmt)}]"
 
 
+def _us(v: float) -> str:
+    """Microseconds as an integer, ``-`` for none."""
+    return f"{v:.0f}" if v == v else "-"
+
+
 def summarize(runs: list[dict], paths: list[str], thr_mode: str, lat_mode: str) -> dict:
     """Per path: medians over repeats; ratio and added latency paired per round."""
     by = collections.defaultdict(dict)  # (mode, path) -> {round: result}
@@ -45,6 +50,10 @@ def summarize(runs: list[dict], paths: list[str], thr_mode: str, lat_mode: str) 
             "failed": sum(r.get("failed", 0) for r in runs if r["path"] == p),
             "failed_runs": sum(1 for r in runs if r["path"] == p and "result" not in r),
         }
+        cpu = [r["cpu_per_request"][p] for r in runs
+               if r["path"] == p and r["mode"] == thr_mode and p in r.get("cpu_per_request", {})]
+        s["router_cpu_us"] = [c["total_us"] for c in cpu]  # at the throughput mode's load
+        s["router_user_cpu_us"] = [c["user_us"] for c in cpu]
         sg, d = by[(thr_mode, "sglang-router")], by[(lat_mode, "direct")]
         s["ratio_vs_sglang_router"] = [thr[k]["request_throughput"] / sg[k]["request_throughput"]
                                        for k in thr if k in sg and sg[k]["request_throughput"]]
@@ -57,7 +66,8 @@ def summarize(runs: list[dict], paths: list[str], thr_mode: str, lat_mode: str) 
                                            for k in lat if k in sgl]
         s["median"] = {k: _med(s[k]) for k in ("request_throughput", "p50_ms", "p99_ms",
                                                "ratio_vs_sglang_router", "added_p50_ms", "added_p99_ms",
-                                               "p50_minus_sglang_router_ms")}
+                                               "p50_minus_sglang_router_ms", "router_cpu_us",
+                                               "router_user_cpu_us")}
         out[p] = s
     return out
 
@@ -89,9 +99,10 @@ def print_table(summary: dict, tgt: list[dict], modes: dict, repeats: int, quick
           f"throughput: {tm} mode (C={tc}, N={tn}); latency: {lm} mode (C={lc}, N={ln})"
           + ("; --quick smoke run: latency under load, not the targets' figures" if quick else ""))
     print("x sglang-rt, +p50/+p99 (vs direct) and p50-sgl (vs sglang-router) are paired per round "
-          "(same round's figures), then the median over rounds; failed = failed requests")
+          "(same round's figures), then the median over rounds; cpu us / user = the router process's "
+          "CPU per request at the throughput load (all / user time); failed = failed requests")
     hdr = (f"  {'path':14s} {'req/s':>22s} {'x sglang-rt':>12s} {'p50 ms':>20s} {'p99 ms':>20s} "
-           f"{'+p50 ms':>8s} {'+p99 ms':>8s} {'p50-sgl':>8s} {'failed':>6s}")
+           f"{'+p50 ms':>8s} {'+p99 ms':>8s} {'p50-sgl':>8s} {'cpu us':>7s} {'user':>6s} {'failed':>6s}")
     print(hdr)
     for p, s in summary.items():
         m = s["median"]
@@ -103,7 +114,8 @@ def print_table(summary: dict, tgt: list[dict], modes: dict, repeats: int, quick
         vs = f"{vs:+.3f}" if p != "sglang-router" and vs == vs else "-"
         print(f"  {p:14s} {_spread(s['request_throughput'], '.0f'):>22s} {ratio:>12s} "
               f"{_spread(s['p50_ms'], '.3f'):>20s} {_spread(s['p99_ms'], '.3f'):>20s} "
-              f"{a50:>8s} {a99:>8s} {vs:>8s} {fr:>6s}")
+              f"{a50:>8s} {a99:>8s} {vs:>8s} {_us(m['router_cpu_us']):>7s} {_us(m['router_user_cpu_us']):>6s} "
+              f"{fr:>6s}")
     print("targets:")
     for t in tgt:
         v = t["value"]
