@@ -19,7 +19,7 @@ would (bands of the kind's region, not every server at once).
 ``array_floor`` is the numpy work alone that this design needs per request, with no
 Python logic: price every server (one [N, D] float32 matvec), the admit's ``log(1 - p)``
 over D values and its add into the server's float64 sum, the release's subtract, and the
-refresh (float32 copy, ``exp``, sum) of the two servers that changed. On a machine where
+refresh (float32 copy, clamp, ``exp``, sum) of the two servers that changed. On a machine where
 it is above the target, no bookkeeping around these calls can meet it.
 """
 
@@ -64,14 +64,16 @@ def array_floor(servers: int, dim: int, rng: np.random.Generator):
     p = (rng.random(dim) * 0.5).astype(np.float32)
     log_free = np.log(rng.random((2, dim)))
     row32 = np.empty(dim, dtype=np.float32)
+    lowest = np.full(dim, -80.0, dtype=np.float32)  # the state's clamp before exp
 
     def floor() -> None:
         np.dot(free, p)  # decide: every server's added experts
         log_q = np.log1p(-p).astype(np.float64)  # admit: log(1 - p)
         log_free[0] += log_q
-        log_free[1] -= log_q  # release (another server's request)
+        log_free[0] -= log_q  # release (the same request: the state stays where it was)
         for i in (0, 1):  # refresh the two servers that changed
             np.copyto(row32, log_free[i], casting="same_kind")
+            np.maximum(row32, lowest, out=row32)
             np.exp(row32, out=row32)
             row32.sum()
     return floor
