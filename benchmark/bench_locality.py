@@ -484,8 +484,8 @@ def _new_against_old(L: list[str], runs: list[dict], wls: list[str], variants: l
 INTRO = (
     f"The default `eldr_balanced` (`eldr_sglang/core/policies/eldr_balanced.py`): {default_rule()}. `fixed_band` "
     "is the same rule with its cost band the same at every load (`cost_band_full=none`). `old` is the rule before "
-    "(`sim_band=none,load_cap=none,cost_band=0.02`: no "
-"cap, a 2% cost band). `locality_pick` (`sim_band=0.05,sim_band_full=0.15`, "
+    "(`sim_band=none,load_cap=none,cost_band=0.02`: no cap, a 2% cost band). `locality_pick` "
+    "(`sim_band=0.05,sim_band_full=0.15`, "
     "`eldr_sglang/core/policies/locality.py`): bounded load, then the servers whose calibration region is within "
     "0.05 (cosine) of the most similar one, the band widening linearly to 0.15 as the mean in flight nears a full "
     "batch (256), then the cheapest. Rule (a) is judged at equal batch size: the per-step "

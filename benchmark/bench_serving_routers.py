@@ -220,12 +220,11 @@ def run_rounds(procs: Procs, paths: list[str], urls: dict[str, str], mode_list: 
                 run = {"round": r, "mode": mode, "path": p, "concurrency": conc, "prompts": n,
                        "cmd": shlex.join(cmd),
                        **run_bench(procs, cmd, out_file, run_timeout, env)}
+                doc["runs"].append(run)
                 res = run.get("result")
                 if res:
                     run["cpu_per_request"] = per_request(before, snapshot(pids), idle, run["wall_s"],
                                                          res["duration"], res["completed"])
-                doc["runs"].append(run)
-                if res:
                     msg = (f"round {r} {mode:10s} {p:14s} {res['request_throughput']:8.1f} req/s  "
                            f"p50 {res['median_e2e_latency_ms']:7.3f} ms  "
                            f"p99 {res['p99_e2e_latency_ms']:7.3f} ms  "

@@ -15,7 +15,6 @@ socket work, so the user time is where they differ.
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 import psutil
 
@@ -54,11 +53,11 @@ def idle_rates(pids: dict[str, int], seconds: float = 5.0) -> dict[str, float]:
 
 def per_request(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]],
                 idle: dict[str, float], wall_s: float, duration_s: float, requests: int
-                ) -> dict[str, dict[str, Optional[float]]]:
+                ) -> dict[str, dict[str, float]]:
     """{name: {"user_us", "system_us", "total_us"}} per request served, the idle rate over
     the time the client was not sending (``wall_s - duration_s``) taken off the user time
     (a poll loop is user time, mostly)."""
-    out: dict[str, dict[str, Optional[float]]] = {}
+    out: dict[str, dict[str, float]] = {}
     if requests <= 0:
         return out
     quiet = max(0.0, wall_s - duration_s)

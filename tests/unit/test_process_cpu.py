@@ -30,4 +30,4 @@ def test_cpu_seconds_follow_the_process_and_a_gone_process_is_zero():
         x += sum(range(1000))
     u1, s1 = cpu_seconds(os.getpid())
     assert u1 + s1 > u0 + s0
-    assert cpu_seconds(2 ** 22 + 12345) == (0.0, 0.0)  # above pid_max's default: no such process
+    assert cpu_seconds(2 ** 22 + 12345) == (0.0, 0.0)  # above the kernel's PID_MAX_LIMIT: never a process
