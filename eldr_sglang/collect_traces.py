@@ -19,7 +19,7 @@ from typing import Iterator
 import numpy as np
 
 from eldr_sglang.cliparse import OneLineParser, fail
-from eldr_sglang.core import ModelSpec, TraceRecord, TraceWriter
+from eldr_sglang.core import ModelSpec, TraceDirNotEmpty, TraceRecord, TraceWriter
 
 PROG = "eldr-collect-traces"
 
@@ -93,13 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--labels", type=Path, help="JSON lines with rid and label fields")
     p.add_argument("--shard-size", type=int, default=1024)
+    p.add_argument("--append", action="store_true",
+                   help="add to the shards already in --out (refused without it: records of two runs would mix)")
     args = p.parse_args(argv)
     try:
         joined, prefill, decode = collect(args)
     except InputError as exc:
         fail(PROG, str(exc))
+    before = f"; appended to {args.existing_records} records already in {args.out}" if args.append else ""
     print(f"wrote {joined} trace records to {args.out} ({len(prefill) - joined} prefill-only, "
-          f"{len(decode) - joined} decode-only records skipped)")
+          f"{len(decode) - joined} decode-only records skipped{before})")
     if args.labels:
         unlabelled = sum(rid in decode and rid not in args.label_rids for rid in prefill)
         if unlabelled:
@@ -128,7 +131,12 @@ def collect(args: argparse.Namespace) -> tuple[int, dict, dict]:
         if rid in decode:
             check_pair(rid, pre, decode[rid], spec)
     joined = 0
-    with TraceWriter(args.out, spec, shard_size=args.shard_size) as writer:
+    try:
+        writer = TraceWriter(args.out, spec, shard_size=args.shard_size, append=getattr(args, "append", False))
+    except TraceDirNotEmpty as exc:
+        raise InputError(f"--out: {exc}") from None
+    args.existing_records = writer.existing_records
+    with writer:
         for record in join_records(prefill, decode, labels, spec):
             writer.add(record)
             joined += 1

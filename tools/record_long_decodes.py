@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eldr_sglang.core.traces import ModelSpec, TraceRecord, TraceWriter
+from eldr_sglang.core.traces import ModelSpec, TraceRecord, TraceWriter, existing_shards
 
 STEPS_FILE = "steps.npz"
 
@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="prompts are cut to this many tokens")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--out", type=Path, default=Path("benchmark/traces-long"))
+    p.add_argument("--append", action="store_true",
+                   help="add to trace shards already in --out/<set> (refused without it: two runs would mix)")
     args = p.parse_args(argv)
     if not (args.model / "config.json").exists():
         p.error(f"--model: no config.json in {args.model}")
@@ -55,6 +57,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--sets: {args.workloads / (s + '.jsonl')} not found (build it: make workloads)")
     if args.decode_steps < 2 or args.limit < 1 or args.batch < 1:
         p.error("--decode-steps must be >= 2, --limit and --batch >= 1")
+    for s in args.sets:  # refused before the recording, not after it
+        shards, records = existing_shards(args.out / s)
+        if shards and not args.append:
+            p.error(f"--out: {args.out / s} already holds {len(shards)} trace shards ({records} records); "
+                    f"use an empty --out, or --append to add to them")
     return args
 
 
@@ -125,7 +132,7 @@ def record_set(model, tokenizer, reqs: list[dict], args, spec: ModelSpec, out: P
             records[r] = TraceRecord(request_id=reqs[r]["id"], prefill_counts=pre, decode_counts=dec,
                                      prompt_tokens=len(prompts[r]), output_tokens=args.decode_steps + 1,
                                      labels=dict(reqs[r]["labels"]))
-    with TraceWriter(out, spec) as writer:
+    with TraceWriter(out, spec, append=args.append) as writer:
         for rec in records:
             writer.add(rec)
     np.savez_compressed(out / STEPS_FILE, experts=step_ids, request_id=np.array([r["id"] for r in reqs]))

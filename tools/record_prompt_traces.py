@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eldr_sglang.core.traces import ModelSpec, TraceRecord, TraceWriter
+from eldr_sglang.core.traces import ModelSpec, TraceRecord, TraceWriter, existing_shards
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,11 +43,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prompt-tokens", type=int, default=320)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--append", action="store_true",
+                   help="add to trace shards already in --out/<set> (refused without it: two runs would mix)")
     args = p.parse_args(argv)
     for s in args.sets:
         for suffix in (".jsonl", ".bench.jsonl"):
             if not (args.workloads / f"{s}{suffix}").exists():
                 p.error(f"--sets: {args.workloads / (s + suffix)} not found (python -m tools.build_workloads)")
+    for s in args.sets:  # refused before the recording, not after it
+        shards, records = existing_shards(args.out / s)
+        if shards and not args.append:
+            p.error(f"--out: {args.out / s} already holds {len(shards)} trace shards ({records} records); "
+                    f"use an empty --out, or --append to add to them")
     return args
 
 
@@ -102,7 +109,7 @@ def record_set(model, tokenizer, name: str, args, spec: ModelSpec) -> dict:
             records[r] = TraceRecord(request_id=reqs[r]["id"], prefill_counts=pre, decode_counts=dec,
                                      prompt_tokens=n_p, output_tokens=n_c + 1, labels=dict(reqs[r]["labels"]))
     out = args.out / name
-    with TraceWriter(out, spec) as writer:
+    with TraceWriter(out, spec, append=args.append) as writer:
         for rec in records:
             writer.add(rec)
     np.savez_compressed(out / "steps.npz", experts=step_ids, request_id=np.array([r["id"] for r in reqs]))

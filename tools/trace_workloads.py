@@ -26,6 +26,7 @@ from pathlib import Path
 
 from eldr_sglang.collect_traces import join_records, model_spec, read_jsonl  # noqa: E402
 from eldr_sglang.core import TraceWriter  # noqa: E402
+from eldr_sglang.core.traces import existing_shards  # noqa: E402
 from eldr_sglang.testing.local_cluster import ServerSpec, http_json, start_server  # noqa: E402
 
 
@@ -40,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32, help="prompts per /generate call")
     p.add_argument("--concurrency", type=int, default=3, help="/generate calls in flight")
     p.add_argument("--logs", type=Path, default=None, help="server log + raw trace folder (default: temp)")
+    p.add_argument("--append", action="store_true",
+                   help="add to trace shards already in --out/<set> (refused without it: two runs would mix)")
     args = p.parse_args(argv)
     if not (args.model / "config.json").exists():
         p.error(f"--model: no config.json in {args.model}")
@@ -48,6 +51,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--sets: {args.workloads / (s + '.jsonl')} not found (build it: python -m tools.build_workloads)")
     if args.max_new_tokens < 2 or args.batch < 1 or args.concurrency < 1:
         p.error("--max-new-tokens must be >= 2, --batch and --concurrency >= 1")
+    for s in args.sets:  # refused before the server starts, not after the replay
+        shards, records = existing_shards(args.out / s)
+        if shards and not args.append:
+            p.error(f"--out: {args.out / s} already holds {len(shards)} trace shards ({records} records); "
+                    f"use an empty --out, or --append to add to them")
+    if args.logs and any((args.logs / "raw").glob("*.jsonl")):
+        p.error(f"--logs: {args.logs / 'raw'} already holds trace-mode logs of an earlier run; use a new folder")
     return args
 
 
@@ -103,11 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         pre = {rid: prefill[rid] for rid in labels if rid in prefill}
         out = args.out / name
         n = 0
-        with TraceWriter(out, spec) as writer:
+        with TraceWriter(out, spec, append=args.append) as writer:
             for record in join_records(pre, decode, labels, spec):
                 writer.add(record)
                 n += 1
-        print(f"{name}: {n}/{len(reqs)} trace records -> {out} ({timings[name]} s)")
+        added = f", after {writer.existing_records} already there" if writer.existing_records else ""
+        print(f"{name}: {n}/{len(reqs)} trace records -> {out}{added} ({timings[name]} s)")
         if n < len(reqs):
             print(f"  warning: {len(reqs) - n} requests have no complete trace", file=sys.stderr)
     info = {"command": "python -m tools.trace_workloads " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -17,8 +17,8 @@ _EXPORTS = {
     "signature": ["COUNT_VARIANTS", "VARIANTS", "SignatureBuilder", "l2_normalize", "signature_from_counts",
                   "smoothed_idf", "variant_input"],
     "synthetic": ["SyntheticTraces", "make_synthetic_traces"],
-    "traces": ["ModelSpec", "TraceRecord", "TraceSet", "TraceWriter", "concat_traces", "iter_traces",
-               "load_traces", "read_shard", "write_traces"],
+    "traces": ["ModelSpec", "TraceDirNotEmpty", "TraceRecord", "TraceSet", "TraceWriter", "concat_traces",
+               "iter_traces", "load_traces", "read_shard", "write_traces"],
     "policies": ["RouteRequest", "make_policy"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

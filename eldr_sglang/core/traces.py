@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Sequence
@@ -164,6 +165,29 @@ def concat_traces(parts: Sequence[TraceSet]) -> TraceSet:
     )
 
 
+SHARD_NAME = re.compile(r"shard-(\d{5,})\.npz")
+
+
+class TraceDirNotEmpty(ValueError):
+    """The output directory already holds trace shards and the caller did not ask to append."""
+
+
+def existing_shards(out_dir: str | os.PathLike) -> tuple[list[Path], int]:
+    """The complete shards in ``out_dir`` (``shard-NNNNN.npz``, not a ``.tmp.npz`` cut short) and their records."""
+    d = Path(out_dir)
+    if not d.is_dir():
+        return [], 0
+    shards = sorted(p for p in d.iterdir() if SHARD_NAME.fullmatch(p.name))
+    records = 0
+    for p in shards:
+        try:
+            with np.load(p) as z:
+                records += len(z["request_id"])
+        except Exception as exc:  # noqa: BLE001 - counted for a message only; the reader names the fault
+            raise ValueError(f"{p}: unreadable trace shard ({exc})") from None
+    return shards, records
+
+
 class TraceWriter:
     """Buffer records and write them as npz shards of ``shard_size`` requests.
 
@@ -171,23 +195,38 @@ class TraceWriter:
 
         with TraceWriter("traces/", model, shard_size=1024) as w:
             w.add(record)
+
+    A directory that already holds shards is refused (``TraceDirNotEmpty``, naming
+    how many records are there) unless ``append=True``: a re-run into the same
+    folder would otherwise add its records to the earlier run's. The check runs
+    once, when the writer is made; the writer's own shards never trip it.
+    ``existing_shards`` / ``existing_records`` say what was there before.
     """
 
-    def __init__(self, out_dir: str | os.PathLike, model: ModelSpec, shard_size: int = 1024):
+    def __init__(self, out_dir: str | os.PathLike, model: ModelSpec, shard_size: int = 1024,
+                 append: bool = False):
         if shard_size <= 0:
             raise ValueError("shard_size must be positive")
         self.out_dir = Path(out_dir)
         self.model = model
         self.shard_size = shard_size
+        shards, records = existing_shards(self.out_dir)
+        if shards and not append:
+            raise TraceDirNotEmpty(
+                f"{self.out_dir} already holds {len(shards)} trace shards ({records} records); "
+                f"write to an empty directory, or append to them explicitly (append=True, --append)")
+        self.existing_shards, self.existing_records = len(shards), records
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._buffer: list[TraceRecord] = []
-        self._next_shard = len(list(self.out_dir.glob("shard-*.npz")))
+        self._next_shard = 1 + max((int(SHARD_NAME.fullmatch(p.name).group(1)) for p in shards), default=-1)
         self.paths: list[Path] = []
         meta_path = self.out_dir / META_FILE
         if meta_path.exists():
             existing = ModelSpec.from_dict(json.loads(meta_path.read_text()), str(meta_path))
             if existing != model:
-                raise ValueError(f"{meta_path}: holds model {existing}, writer has {model}")
+                if shards:
+                    raise ValueError(f"{meta_path}: holds model {existing}, writer has {model}")
+                meta_path.write_text(json.dumps(model.to_dict(), indent=2) + "\n")  # no shard of it left
         else:
             meta_path.write_text(json.dumps(model.to_dict(), indent=2) + "\n")
 
@@ -230,9 +269,12 @@ class TraceWriter:
         self.paths.append(path)
 
 
-def write_traces(traces: TraceSet, out_dir: str | os.PathLike, shard_size: int = 1024) -> list[Path]:
-    """Write a TraceSet as shards into ``out_dir``; returns the shard paths."""
-    with TraceWriter(out_dir, traces.model, shard_size) as writer:
+def write_traces(traces: TraceSet, out_dir: str | os.PathLike, shard_size: int = 1024,
+                 append: bool = False) -> list[Path]:
+    """Write a TraceSet as shards into ``out_dir``; returns the shard paths.
+
+    Refuses a directory that already holds shards unless ``append`` (see ``TraceWriter``)."""
+    with TraceWriter(out_dir, traces.model, shard_size, append=append) as writer:
         writer.add_set(traces)
     return writer.paths
 
@@ -268,7 +310,7 @@ def find_shards(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[
     shards: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted(p.glob("shard-*.npz"))
+            found = sorted(q for q in p.glob("shard-*.npz") if SHARD_NAME.fullmatch(q.name))  # no .tmp.npz
             if not found:
                 raise ValueError(f"{p}: no shard-*.npz files")
             shards.extend(found)
