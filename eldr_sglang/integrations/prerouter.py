@@ -33,7 +33,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from eldr_sglang.integrations.scorer import Choice
+from eldr_sglang.integrations.scorer import Choice, ScorerAnswerError, header_safe
 
 logger = logging.getLogger("eldr_sglang.integrations")
 WORK = {"/generate": "generate", "/v1/completions": "v1/completions",
@@ -50,8 +50,12 @@ class PreRouter:
     repin_statuses: frozenset[int] = frozenset()
 
     def __init__(self, host_url: str, scorer: Any, *, refresh_s: float = 2.0, request_timeout: float = 600.0,
-                 scorer_timeout: float = 0.25, quarantine_s: float = 30.0, record: int = 10000) -> None:
+                 scorer_timeout: float = 0.25, quarantine_s: float = 30.0, record: int = 10000,
+                 control_token: Optional[str] = None, api_key: Optional[str] = None) -> None:
         self.host_url = host_url.rstrip("/")
+        # bearer tokens for the pre-router's own calls: control plane (worker listing), data plane (probes)
+        self.control_headers = {"Authorization": f"Bearer {control_token}"} if control_token else {}
+        self.api_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.scorer = scorer
         self.refresh_s, self.scorer_timeout, self.quarantine_s = refresh_s, scorer_timeout, quarantine_s
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=request_timeout)
@@ -117,6 +121,9 @@ class PreRouter:
                             else call)
         except asyncio.TimeoutError:
             return None, "fallback_scorer_timeout"
+        except ScorerAnswerError as e:
+            logger.debug("scorer answer refused: %s", e)
+            return None, "fallback_scorer_invalid"
         except Exception as e:  # noqa: BLE001 -- the adapter's own failure: the host chooses
             logger.debug("scorer failed: %r", e)
             return None, "fallback_scorer_error"
@@ -143,6 +150,9 @@ class PreRouter:
                 pin = self.pin_headers(choice)
             except Exception as e:  # noqa: BLE001
                 logger.debug("pin failed: %r", e)
+            if pin is not None and not all(header_safe(k, 256) and header_safe(v) for k, v in pin.items()):
+                self.counters["pin_unsafe"] += 1  # never let a pin break the request (header injection)
+                pin = None
             if pin is None:
                 self.scorer.release(choice)
                 choice, path = None, "fallback_no_pin"
@@ -174,7 +184,8 @@ class PreRouter:
                 record["status"] = 502
                 return _error(502, f"host router {self.host_url} unreachable")
             record["status"] = resp.status
-            out_headers = {"X-ELDR-Worker": str(record["worker"]) if not record["retried"] and choice else "-",
+            shown = str(record["worker"]) if not record["retried"] and choice else "-"
+            out_headers = {"X-ELDR-Worker": shown if header_safe(shown) else "?",
                            "X-ELDR-Path": "retried_unpinned" if record["retried"] else path}
             return await self._relay(request, resp, out_headers)
         finally:

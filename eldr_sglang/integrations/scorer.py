@@ -20,6 +20,7 @@ path: the adapter catches and falls back (see :mod:`.prerouter`).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -122,14 +123,71 @@ class LocalScorer:
             self.policy.release(choice.ticket)
 
 
+class ScorerAnswerError(ValueError):
+    """A remote scorer's answer that cannot be trusted (status, size, type, range)."""
+
+
+_UNSAFE = frozenset("\r\n\x00")
+PATH_NAMES = frozenset({"predicted", "fallback", "blind"})
+
+
+def header_safe(value: Any, limit: int = 1024) -> bool:
+    """``value`` is a str that can go into an HTTP header as is (no CR, LF, NUL; short)."""
+    return isinstance(value, str) and len(value) <= limit and not (_UNSAFE & set(value))
+
+
+def _int(value: Any, lo: int, hi: int, what: str) -> int:
+    """An int (not bool, not float) in [lo, hi), else ScorerAnswerError."""
+    if type(value) is not int or not lo <= value < hi:
+        raise ScorerAnswerError(f"{what} ({type(value).__name__}) is not an int in [{lo}, {hi})")
+    return value
+
+
+def parse_answer(doc: Any, workers: Sequence[str], max_regions: int = 1 << 16) -> tuple[str, Optional[int], str]:
+    """(worker, region, path) from a ``/eldr/score`` answer, validated.
+
+    ``server`` (a URL) names the worker when it matches one; else ``index`` must be an
+    int in [0, len(workers)). ``region`` is None or an int in [0, max_regions); ``path``
+    one of :data:`PATH_NAMES` (anything else is recorded as ``"remote"``)."""
+    if not isinstance(doc, dict):
+        raise ScorerAnswerError("answer is not a JSON object")
+    server = doc.get("server")
+    by_url = {w.rstrip("/"): w for w in workers}
+    worker = by_url.get(server.rstrip("/")) if header_safe(server, 2048) else None
+    if worker is None:
+        worker = workers[_int(doc.get("index"), 0, len(workers), "index")]
+    region = doc.get("region")
+    if region is not None:
+        region = _int(region, 0, max_regions, "region")
+    path = doc.get("path")
+    return worker, region, path if path in PATH_NAMES else "remote"
+
+
+async def read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The body of ``resp``, or ScorerAnswerError once it passes ``limit`` bytes."""
+    if (resp.content_length or 0) > limit:
+        raise ScorerAnswerError(f"answer of {resp.content_length} bytes > {limit}")
+    buf = bytearray()
+    async for chunk in resp.content.iter_chunked(65536):
+        buf += chunk
+        if len(buf) > limit:
+            raise ScorerAnswerError(f"answer over {limit} bytes")
+    return bytes(buf)
+
+
 class RemoteScorer:
-    """``POST {url}/eldr/score`` of a co-located ELDR router, with a short time limit."""
+    """``POST {url}/eldr/score`` of a co-located ELDR router.
+
+    ``timeout_s`` bounds the whole call (connect, headers, body); the answer is read
+    up to ``max_answer_bytes`` and validated (:func:`parse_answer`): a slow, large or
+    malformed answer raises (the adapter falls back, the request never fails)."""
 
     remote = True
 
-    def __init__(self, url: str, timeout_s: float = 0.25, api_key: Optional[str] = None) -> None:
+    def __init__(self, url: str, timeout_s: float = 0.25, api_key: Optional[str] = None,
+                 max_answer_bytes: int = 256 << 10, max_regions: int = 1 << 16) -> None:
         self.url = url.rstrip("/") + "/eldr/score"
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.timeout_s, self.max_answer_bytes, self.max_regions = timeout_s, max_answer_bytes, max_regions
         self.headers = {"Content-Type": "application/json"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
@@ -137,7 +195,7 @@ class RemoteScorer:
 
     async def start(self) -> None:
         if self.session is None:
-            self.session = aiohttp.ClientSession(timeout=self.timeout)
+            self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=max(1.0, 4 * self.timeout_s)))
 
     async def close(self) -> None:
         if self.session is not None:
@@ -150,16 +208,18 @@ class RemoteScorer:
         if not workers:
             return None
         await self.start()
-        async with self.session.post(self.url, data=orjson.dumps({**body, "endpoint": endpoint}),
-                                     headers=self.headers) as r:
-            if r.status != 200:
-                raise RuntimeError(f"/eldr/score answered {r.status}")
-            doc = orjson.loads(await r.read())
-        server, index = str(doc.get("server", "")).rstrip("/"), int(doc["index"])
-        by_url = {w.rstrip("/"): w for w in workers}
-        worker = by_url.get(server) or list(workers)[index % len(workers)]
-        return Choice(worker, doc.get("region"), str(doc.get("path", "predicted")), None,
-                      time.perf_counter() - t0)
+        async with asyncio.timeout(self.timeout_s):  # the whole answer, not each read
+            async with self.session.post(self.url, data=orjson.dumps({**body, "endpoint": endpoint}),
+                                         headers=self.headers) as r:
+                if r.status != 200:
+                    raise ScorerAnswerError(f"/eldr/score answered {r.status}")
+                raw = await read_capped(r, self.max_answer_bytes)
+        try:
+            doc = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            raise ScorerAnswerError(f"answer is not JSON: {e}") from None
+        worker, region, path = parse_answer(doc, list(workers), self.max_regions)
+        return Choice(worker, region, path, None, time.perf_counter() - t0)
 
     def release(self, choice: Choice) -> None:
         pass
