@@ -18,12 +18,24 @@ for a crashed worker still listed) is quarantined and the request goes unpinned.
 
 The prefill instance rotates round robin over the listed ones: ELDR has no opinion
 on prefill, and Dynamo's own prefill choice needs the request unpinned (the frontend
-takes the two headers together).
+takes the two headers together). ``pin_prefill=False`` sends the decode header alone
+(keeps the KV router's prefill choice) where the frontend accepts it; a frontend that
+answers such a pin 400 while it lists prefill workers (1.6.1 in disaggregated mode) is
+not a refused worker: the request goes unpinned, a WARNING says so once, and both
+headers are sent from then on.
+
+A 503 is also Dynamo's admission control ("all workers busy", per-worker busy
+thresholds): a 503 whose text says busy, overload or capacity is ``busy``: the request
+is retried unpinned and the worker is NOT quarantined (counter ``pinned_busy``); any
+other 400/404/503 to a pin is a refused worker (quarantined when the unpinned retry
+succeeds).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import re
 from typing import Any, Optional
 
 import orjson
@@ -31,8 +43,10 @@ import orjson
 from eldr_sglang.integrations.prerouter import PreRouter
 from eldr_sglang.integrations.scorer import Choice
 
+logger = logging.getLogger("eldr_sglang.integrations")
 DECODE_HEADER = "x-dynamo-worker-instance-id"
 PREFILL_HEADER = "x-dynamo-prefill-instance-id"
+BUSY = re.compile(rb"busy|overload|capacity|too many requests", re.I)
 
 
 class DynamoPreRouter(PreRouter):
@@ -42,15 +56,16 @@ class DynamoPreRouter(PreRouter):
 
     def __init__(self, frontend_url: str, scorer: Any, *, decode_component: str = "backend",
                  prefill_component: str = "prefill", endpoint: str = "generate",
-                 namespace: Optional[str] = None, **kw: Any) -> None:
+                 namespace: Optional[str] = None, pin_prefill: bool = True, **kw: Any) -> None:
         super().__init__(frontend_url, scorer, **kw)
+        self.pin_prefill = pin_prefill  # False: the decode header alone, where the frontend takes it
         self.decode_component, self.prefill_component = decode_component, prefill_component
         self.endpoint, self.namespace = endpoint, namespace
         self.prefills: list[str] = []
         self._rr = itertools.count()
 
     async def discover(self) -> None:
-        async with self.session.get(self.host_url + "/health") as r:
+        async with self.session.get(self.host_url + "/health", headers=self.control_headers) as r:
             doc = orjson.loads(await r.read())
         decodes, prefills = [], []
         for inst in doc.get("instances", []):
@@ -68,9 +83,21 @@ class DynamoPreRouter(PreRouter):
 
     def pin_headers(self, choice: Choice) -> Optional[dict[str, str]]:
         headers = {DECODE_HEADER: choice.worker}
-        if self.prefills:  # disaggregated: the frontend needs both ids
+        if self.prefills and self.pin_prefill:  # disaggregated 1.6.1: the frontend needs both ids
             headers[PREFILL_HEADER] = self.prefills[next(self._rr) % len(self.prefills)]
         return headers
 
+    def refusal(self, status: int, detail: bytes, pin: dict[str, str]) -> str:
+        if status == 503 and BUSY.search(detail):
+            return "busy"
+        if status == 400 and PREFILL_HEADER not in pin and self.prefills and not self.pin_prefill:
+            self.pin_prefill = True
+            self.counters["decode_only_refused"] += 1
+            logger.warning("dynamo: the frontend refuses a decode-only pin (%r): pinning prefill too "
+                           "(Dynamo's KV-aware prefill choice is lost for pinned requests)", detail[:200])
+            return "decode_only"  # not the worker's fault: no quarantine
+        return "refused"
+
     def describe(self) -> dict:
-        return {"prefills": self.prefills, "decode_header": DECODE_HEADER, "prefill_header": PREFILL_HEADER}
+        return {"prefills": self.prefills, "pin_prefill": self.pin_prefill, "decode_header": DECODE_HEADER,
+                "prefill_header": PREFILL_HEADER}

@@ -82,6 +82,18 @@ class PreRouter:
     def describe(self) -> dict:
         return {}
 
+    def refusal(self, status: int, detail: bytes, pin: dict[str, str]) -> str:
+        """Why the host refused a pinned request (status in ``repin_statuses``): 'refused'
+        (the pinned worker: quarantined if the unpinned retry succeeds) or another word
+        ('busy': load, not the worker) for a retry unpinned that quarantines nothing."""
+        return "refused"
+
+    def pin_started(self, pin: dict[str, str]) -> None:
+        """A request pinned with ``pin`` goes to the host (integrations that track pins)."""
+
+    def pin_ended(self, pin: dict[str, str]) -> None:
+        """The host answered the request pinned with ``pin`` (or it failed)."""
+
     # ------------------------------------------------------------------ worker list
     def set_workers(self, workers: list[str]) -> None:
         now = time.monotonic()
@@ -165,20 +177,31 @@ class PreRouter:
         counted = choice is not None
         if counted:
             self.inflight[choice.worker] += 1
+        if pin:
+            self.pin_started(pin)
+        why = "refused"
         try:
-            resp = await self._send(request.method, request.path_qs, raw, {**headers, **(pin or {})})
+            try:
+                resp = await self._send(request.method, request.path_qs, raw, {**headers, **(pin or {})})
+            finally:
+                if pin:
+                    self.pin_ended(pin)
             if choice is not None and resp is not None and resp.status in self.repin_statuses:
-                detail = (await resp.read())[:200]
+                try:
+                    detail = await resp.content.read(4096)
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    detail = b""
                 resp.release()
                 pinned_status = resp.status
-                self.counters["retried_unpinned"] += 1
+                why = self.refusal(pinned_status, detail, pin or {})
+                self.counters["retried_unpinned" if why == "refused" else f"pinned_{why}"] += 1
                 record["retried"] = True
                 self.inflight[choice.worker] -= 1  # the retry is the host's, not this worker's
                 counted = False
                 resp = await self._send(request.method, request.path_qs, raw, headers)
-                if resp is not None and resp.status < 400:  # the pin, not the request, was refused
+                if why == "refused" and resp is not None and resp.status < 400:  # the pin was refused
                     logger.warning("%s refused pinned worker %s (%s %r): quarantined, host's choice",
-                                   self.kind, choice.worker, pinned_status, detail)
+                                   self.kind, choice.worker, pinned_status, detail[:200])
                     self._quarantine(choice.worker)
             if resp is None:
                 record["status"] = 502
@@ -186,7 +209,8 @@ class PreRouter:
             record["status"] = resp.status
             shown = str(record["worker"]) if not record["retried"] and choice else "-"
             out_headers = {"X-ELDR-Worker": shown if header_safe(shown) else "?",
-                           "X-ELDR-Path": "retried_unpinned" if record["retried"] else path}
+                           "X-ELDR-Path": (("retried_unpinned" if why == "refused" else f"retried_{why}")
+                                           if record["retried"] else path)}
             return await self._relay(request, resp, out_headers)
         finally:
             if counted:
