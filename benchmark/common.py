@@ -18,10 +18,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from eldr_sglang.testing.local_cluster import free_port  # noqa: F401  (re-exported for the scripts)
-
 #: This folder and the repository root.
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -30,9 +26,21 @@ RESULTS = HERE / "results"
 QUICK_OUT = Path(os.environ.get("ELDR_BENCH_QUICK_OUT", ROOT / ".cache" / "bench-quick"))
 
 
+def __getattr__(name: str) -> Any:
+    """``free_port``, re-exported for the scripts from :mod:`eldr_sglang.testing.local_cluster`
+    (aiohttp, orjson) when a script asks for it, not when this module loads."""
+    if name == "free_port":
+        from eldr_sglang.testing.local_cluster import free_port
+
+        return free_port
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # ------------------------------------------------------------------ statistics
 def mean_sd(values: Iterable[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (``ddof=1``; 0.0 for a single value)."""
+    import numpy as np  # here: the module loads with the standard library alone (the GPU check's scripts)
+
     a = np.asarray(list(values), dtype=float)
     if a.size == 0:
         raise ValueError("mean_sd: no values")

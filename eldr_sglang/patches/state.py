@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 
 from eldr_sglang.patches.flags import SPREAD, EngineConfig, FlagError, check_model_dims
-from eldr_sglang.patches.publish import publisher_for
 from eldr_sglang.radix_signature import ExpertSlotTable
 from eldr_sglang.radix_signature.staging import ExpertStage
 
@@ -75,6 +74,15 @@ class CaptureState:
 
 
 STATE: CaptureState | None = None
+
+
+def publisher_for(config):
+    """The signature publisher of ``config`` (:func:`eldr_sglang.patches.publish.publisher_for`),
+    imported when a server publishes: the wire format needs numpy and orjson, the
+    staging and after-forward paths need torch alone."""
+    from eldr_sglang.patches.publish import publisher_for as build
+
+    return build(config)
 
 
 def model_dims(model_runner) -> tuple[int, int, int]:
