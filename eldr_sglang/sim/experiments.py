@@ -18,7 +18,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from eldr_sglang.core.policies import make_policy, policy_spec
+from eldr_sglang.core.policies import make_policy, policies_of, policy_spec
 from eldr_sglang.core.policies.params import params_for
 from eldr_sglang.core.synthetic import make_synthetic_traces
 from eldr_sglang.core.traces import TraceSet, load_traces, write_traces
@@ -27,8 +27,11 @@ from eldr_sglang.sim.simulator import SimConfig, simulate
 from eldr_sglang.sim.workload import SimWorkload, build_workload, label_kind_for
 
 WORKLOADS = ("task", "language")
-LOAD_BALANCERS = ("random", "round_robin", "jsq", "p2c")
-POLICIES = LOAD_BALANCERS + ("domain", "eldr", "oracle")
+# from the registry (registration order): the load balancers, the label and similarity policies,
+# and the simulator's oracle grouping (eldr on the labels' centroids); the cost policies have
+# their own sweeps (benchmark/bench_state_aware.py, bench_default_policy.py)
+LOAD_BALANCERS = policies_of("balancer")
+POLICIES = policies_of("balancer", "label", "similarity") + ("oracle",)
 
 # synthetic stand-ins: the task workload's structure follows the task label, the language
 # workload's mostly the language label (weaker, as the paper measured)

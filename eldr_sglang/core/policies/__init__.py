@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from eldr_sglang.core.policies.base import (Decision, Policy, PolicyContext, PolicySpec, RouteRequest,
-                                            build_policy, least_loaded, make_policy, policy_names,
+from eldr_sglang.core.policies.base import (FAMILIES, Decision, Policy, PolicyContext, PolicySpec, RouteRequest,
+                                            build_policy, least_loaded, make_policy, policies_of, policy_names,
                                             policy_spec, reads_artifact, register_policy)
 
 for _m in pkgutil.iter_modules(__path__):
@@ -25,7 +25,7 @@ from eldr_sglang.core.policies.params import NoParams, parse_params  # noqa: E40
 
 POLICY_NAMES = tuple(policy_names())
 
-__all__ = ["Decision", "Policy", "PolicyContext", "PolicySpec", "RouteRequest", "build_policy",
+__all__ = ["FAMILIES", "policies_of", "Decision", "Policy", "PolicyContext", "PolicySpec", "RouteRequest", "build_policy",
            "least_loaded", "make_policy", "policy_names", "policy_spec", "reads_artifact", "register_policy",
            "RandomPolicy", "RoundRobinPolicy", "JSQPolicy", "P2CPolicy", "DomainPolicy",
            "CentroidOwnership", "EldrPolicy", "StateAwarePolicy", "StepCost", "NoParams", "parse_params",

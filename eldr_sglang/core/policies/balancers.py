@@ -86,10 +86,10 @@ class P2CPolicy(Policy):
 
 
 register_policy(PolicySpec("random", lambda ctx, _: RandomPolicy(ctx.seed),
-                           summary="uniform random among the allowed servers"))
+                           family="balancer", summary="uniform random among the allowed servers"))
 register_policy(PolicySpec("round_robin", lambda ctx, _: RoundRobinPolicy(), aliases=("rr",),
-                           summary="cycle through the servers"))
+                           family="balancer", summary="cycle through the servers"))
 register_policy(PolicySpec("jsq", lambda ctx, _: JSQPolicy(ctx.seed), aliases=("shortest_queue",),
-                           summary="fewest in-flight requests"))
+                           family="balancer", summary="fewest in-flight requests"))
 register_policy(PolicySpec("p2c", lambda ctx, _: P2CPolicy(ctx.seed), aliases=("power_of_two",),
-                           summary="the less loaded of two random servers"))
+                           family="balancer", summary="the less loaded of two random servers"))

@@ -27,13 +27,13 @@ imported by ``__init__``, so a new policy is one new file (and its test).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
 from eldr_sglang.core.artifact import DEFAULT_TAU
-from eldr_sglang.core.policies.params import NoParams, parse_params
+from eldr_sglang.core.policies.params import NoParams, param_names, parse_params
 
 
 _EPS = 1e-9
@@ -184,7 +184,7 @@ class PolicyContext:
 
     num_servers: int
     seed: Optional[int] = 0
-    tau: Optional[float] = None  # explicit override (``--tau``); None: the artifact's
+    tau: Optional[float] = None  # ``--tau``: the ``tau`` parameter of a policy that declares one
     centroids: Optional[np.ndarray] = None  # [K, D] from the calibration artifact
     artifact_tau: Optional[float] = None  # the artifact's tau (0 is a valid value)
     domain_map: Mapping[str, Sequence[int]] = field(default_factory=dict)
@@ -215,6 +215,13 @@ class PolicySpec:
     needs_domain_map: bool = False  # a label -> servers map
     rebuild_on_reload: bool = False  # a calibration reload builds it again from the new artifact
     summary: str = ""
+    # what it routes by, one of FAMILIES: "balancer" (load only), "label", "similarity"
+    # (calibration regions), "cost" (prices live batches); the simulated report's grid
+    # (sim.experiments.POLICIES) takes the first three
+    family: str = ""
+
+
+FAMILIES = ("balancer", "label", "similarity", "cost")
 
 
 def reads_artifact(spec: PolicySpec) -> bool:
@@ -227,7 +234,10 @@ _ALIASES: dict[str, str] = {}
 
 
 def register_policy(spec: PolicySpec) -> PolicySpec:
-    """Add ``spec`` to the registry (its name and aliases must be new)."""
+    """Add ``spec`` to the registry (its name and aliases must be new, its family one of
+    :data:`FAMILIES`)."""
+    if spec.family not in FAMILIES:
+        raise ValueError(f"policy {spec.name!r}: family {spec.family!r} is not one of {', '.join(FAMILIES)}")
     for key in (spec.name, *spec.aliases):
         if key in _REGISTRY or key in _ALIASES:
             raise ValueError(f"policy name {key!r} is already registered")
@@ -249,6 +259,11 @@ def policy_names(aliases: bool = False) -> list[str]:
     return sorted([*_REGISTRY, *(_ALIASES if aliases else ())])
 
 
+def policies_of(*families: str) -> tuple[str, ...]:
+    """The registered policies of these families, in registration order."""
+    return tuple(n for n, s in _REGISTRY.items() if s.family in families)
+
+
 def build_policy(name: str, ctx: PolicyContext) -> Policy:
     """Build a policy by name from a context and its parameters (``ctx.params``);
     ValueError naming what is missing or the parameter that is wrong. The one builder
@@ -256,7 +271,10 @@ def build_policy(name: str, ctx: PolicyContext) -> Policy:
     spec = policy_spec(name)
     if spec.needs_artifact and ctx.centroids is None:
         raise ValueError(f"{spec.name} policy needs centroids (a calibration artifact)")
-    return spec.build(ctx, parse_params(spec.name, spec.params, ctx.params))
+    prm = parse_params(spec.name, spec.params, ctx.params)
+    if ctx.tau is not None and "tau" in param_names(spec.params) and prm.tau is None:
+        prm = replace(prm, tau=ctx.tau)  # --tau: an alias of the policy's tau parameter
+    return spec.build(ctx, prm)
 
 
 def make_policy(

@@ -42,5 +42,5 @@ class DomainPolicy(Policy):
 
 
 register_policy(PolicySpec("domain", lambda ctx, _: DomainPolicy(ctx.domain_map, ctx.seed),
-                           needs_domain_map=True,
+                           needs_domain_map=True, family="label",
                            summary="label -> owned servers, least loaded among them"))

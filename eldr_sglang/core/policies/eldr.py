@@ -10,17 +10,16 @@ import numpy as np
 from eldr_sglang.core.artifact import DEFAULT_TAU
 from eldr_sglang.core.policies.balancers import JSQPolicy
 from eldr_sglang.core.policies.base import _EPS, Decision, Policy, PolicySpec, register_policy
-from eldr_sglang.core.policies.params import check_number
+from eldr_sglang.core.policies.params import Params, param
 
 
 @dataclass(frozen=True)
-class EldrParams:
-    """``tau``: the similarity band (cosine); None: ``--tau``, else the artifact's."""
+class EldrParams(Params):
+    """``tau``: the similarity band (cosine); None: the artifact's, else :data:`DEFAULT_TAU`.
+    The router's ``--tau`` is an alias of this parameter (:func:`~.base.build_policy`)."""
 
-    tau: Optional[float] = None
-
-    def __post_init__(self) -> None:
-        check_number("tau", self.tau, optional=True)
+    tau: Optional[float] = param(None, 0.0, "similarity band (cosine) below the best server; "
+                                             "none: the artifact's tau (alias: --tau)")
 
 
 class CentroidOwnership:
@@ -207,9 +206,7 @@ class EldrPolicy(Policy):
 
     def __init__(self, centroids: np.ndarray, num_servers: int, tau: float = DEFAULT_TAU,
                  seed: Optional[int] = 0) -> None:
-        if tau < 0:
-            raise ValueError("tau must be >= 0")
-        self.tau = float(tau)
+        self.tau = EldrParams(float(tau)).tau  # checked where it is declared
         self.ownership = CentroidOwnership(centroids, num_servers)
         self.fallback = JSQPolicy(seed=seed)
         self._C = np.ascontiguousarray(self.ownership.centroids, dtype=np.float32)
@@ -312,5 +309,6 @@ class EldrPolicy(Policy):
 register_policy(PolicySpec(
     "eldr", lambda ctx, prm: EldrPolicy(ctx.centroids, ctx.num_servers,
                                         ctx.effective_tau if prm.tau is None else prm.tau, ctx.seed),
+    family="similarity",
     params=EldrParams, needs_artifact=True, rebuild_on_reload=True,
     summary="least loaded among servers within tau of the best centroid similarity"))

@@ -40,7 +40,7 @@ band rule (similarity band, least loaded) stays available as ``eldr``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Optional
 
 import numpy as np
@@ -48,7 +48,7 @@ import numpy as np
 from eldr_sglang.core.policies.base import Decision, LazyDecision, PolicySpec, _candidates, register_policy
 from eldr_sglang.core.policies.eldr import CentroidOwnership
 from eldr_sglang.core.policies.locality import band_width, bounded, queue_band, region_band
-from eldr_sglang.core.policies.params import check_int, check_number
+from eldr_sglang.core.policies.params import Params, param
 from eldr_sglang.core.policies.state_aware import StateAwarePolicy, StepCost
 
 # The default (chosen by benchmark/bench_default_policy.py and bench_locality.py, SIMULATED): a
@@ -70,66 +70,63 @@ BALANCED_COST = StepCost(per_seq_s=3.5948e-05)
 
 
 @dataclass(frozen=True)
-class BalancedParams:
-    """``eldr_balanced``'s parameters: the cost band (relative) and the band once batches are
-    full (None: the same); the bounded-load factor (None: no cap) and its slack in requests;
-    the similarity band (None: the cost-band rule) and the
-    band at a full batch (None: constant); the step-time law (:class:`StepCost`'s fields;
-    default :data:`BALANCED_COST`)."""
+class BalancedParams(Params):
+    """``eldr_balanced``'s parameters, each with its bounds (checked by :class:`Params`), and
+    the step-time law (:class:`StepCost`'s fields; default :data:`BALANCED_COST`)."""
 
-    cost_band: float = DEFAULT_COST_BAND
-    cost_band_full: Optional[float] = DEFAULT_COST_BAND_FULL
-    load_cap: Optional[float] = DEFAULT_LOAD_CAP
-    load_slack: float = DEFAULT_LOAD_SLACK
-    sim_band: Optional[float] = DEFAULT_SIM_BAND
-    sim_band_full: Optional[float] = DEFAULT_SIM_BAND_FULL
-    base_s: float = BALANCED_COST.base_s
-    per_seq_s: float = BALANCED_COST.per_seq_s
-    per_expert_s: float = BALANCED_COST.per_expert_s
-    max_batch: int = BALANCED_COST.max_batch
-
-    def __post_init__(self) -> None:
-        check_number("cost_band", self.cost_band)
-        check_number("cost_band_full", self.cost_band_full, optional=True)
-        check_number("load_cap", self.load_cap, 1.0, optional=True)
-        check_number("load_slack", self.load_slack)
-        check_number("sim_band", self.sim_band, optional=True)
-        check_number("sim_band_full", self.sim_band_full, optional=True)
-        self.step_cost()  # checks the law's fields
+    cost_band: float = param(DEFAULT_COST_BAND, 0.0, "cost band, relative to the cheapest candidate")
+    cost_band_full: Optional[float] = param(DEFAULT_COST_BAND_FULL, 0.0, "the cost band once the mean in "
+                                            "flight reaches max_batch; none: cost_band")
+    load_cap: Optional[float] = param(DEFAULT_LOAD_CAP, 1.0, "bounded load: at most ceil(load_cap x mean "
+                                      "+ load_slack) in flight; none: no cap")
+    load_slack: float = param(DEFAULT_LOAD_SLACK, 0.0, "requests a server may hold above load_cap x the mean")
+    sim_band: Optional[float] = param(DEFAULT_SIM_BAND, 0.0, "none: the cost-band rule; a number: the "
+                                      "locality pick's similarity band (cosine)")
+    sim_band_full: Optional[float] = param(DEFAULT_SIM_BAND_FULL, 0.0, "the locality pick's band once the "
+                                           "mean in flight reaches max_batch; none: sim_band")
+    base_s: float = param(BALANCED_COST.base_s, 0.0, "step-time law: seconds per decode step")
+    per_seq_s: float = param(BALANCED_COST.per_seq_s, 0.0, "step-time law: seconds per sequence "
+                             "(with the KV read of a 750-token sequence)")
+    per_expert_s: float = param(BALANCED_COST.per_expert_s, 0.0, "step-time law: seconds per distinct "
+                                "expert of the published layers")
+    max_batch: int = param(BALANCED_COST.max_batch, 1, "batch size beyond which a request queues")
 
     def step_cost(self) -> StepCost:
         return StepCost(self.base_s, self.per_seq_s, self.per_expert_s, self.max_batch)
 
 
+_LAW = tuple(f.name for f in fields(StepCost))
+_RULE = tuple(f.name for f in fields(BalancedParams) if f.name not in _LAW)  # the rule's own parameters
+
+
 class EldrBalancedPolicy(StateAwarePolicy):
-    """Cheapest-cost band, then the most similar region (see the module docstring)."""
+    """Cheapest-cost band, then the most similar region (see the module docstring).
+
+    Built from its parameters, ``params`` (:class:`BalancedParams`, checked there);
+    ``cost`` and keyword fields (``cost_band=0.02``) override them. They read as
+    attributes (``policy.cost_band``)."""
 
     name = "eldr_balanced"
     # a cost band of up to this many servers reads their similarities with one dot per owned
     # centroid (~1 us each at D = 6,144) instead of the [K, D] matvec (~7 us at K = 24)
     BAND_SCAN_MAX = 4
 
-    def __init__(self, num_servers: int, dim: Optional[int] = None, cost: StepCost = BALANCED_COST,
-                 centroids: Optional[np.ndarray] = None, cost_band: float = DEFAULT_COST_BAND,
-                 load_cap: Optional[float] = DEFAULT_LOAD_CAP, sim_band: Optional[float] = DEFAULT_SIM_BAND,
-                 sim_band_full: Optional[float] = DEFAULT_SIM_BAND_FULL,
-                 load_slack: float = DEFAULT_LOAD_SLACK,
-                 cost_band_full: Optional[float] = DEFAULT_COST_BAND_FULL) -> None:
-        check_number("cost_band", cost_band)
-        check_number("cost_band_full", cost_band_full, optional=True)
-        check_number("load_cap", load_cap, 1.0, optional=True)
-        check_number("load_slack", load_slack)
-        check_number("sim_band", sim_band, optional=True)
-        check_number("sim_band_full", sim_band_full, optional=True)
-        super().__init__(num_servers, dim, cost)
-        self.cost_band = float(cost_band)
-        self.cost_band_full = None if cost_band_full is None else float(cost_band_full)
-        self.load_cap = None if load_cap is None else float(load_cap)
-        self.load_slack = float(load_slack)
-        self.sim_band = None if sim_band is None else float(sim_band)
-        self.sim_band_full = None if sim_band_full is None else float(sim_band_full)
+    def __init__(self, num_servers: int, params: Optional[BalancedParams] = None, *, dim: Optional[int] = None,
+                 centroids: Optional[np.ndarray] = None, cost: Optional[StepCost] = None, **overrides) -> None:
+        prm = params if params is not None else BalancedParams()
+        if cost is not None:
+            overrides = {**asdict(cost), **overrides}
+        if overrides:
+            prm = replace(prm, **overrides)
+        super().__init__(num_servers, dim, prm.step_cost())
+        self.params = prm
         self.ownership = None if centroids is None else CentroidOwnership(centroids, num_servers)
         self.centroids = None if self.ownership is None else self.ownership.centroids
+
+    def __getattr__(self, name: str):  # the rule's parameters as attributes (not on the hot path)
+        if name in _RULE and "params" in self.__dict__:
+            return getattr(self.__dict__["params"], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def add_server(self) -> None:
         super().add_server()
@@ -143,14 +140,15 @@ class EldrBalancedPolicy(StateAwarePolicy):
 
     def _capped(self, cand: list[int], loads) -> list[int]:
         """Filter step: the candidates below their bounded-load capacity (all if none is)."""
-        return bounded(cand, loads, self.load_cap, self.load_slack)
+        return bounded(cand, loads, self.params.load_cap, self.params.load_slack)
 
     def explain(self, request, loads, allowed=None) -> Decision:
         n = len(loads)
         if n != len(self.servers):
             raise ValueError(f"{n} loads for {len(self.servers)} servers")
+        prm = self.params
         cand = self._capped(_candidate_list(n, allowed), loads)
-        if self.sim_band is not None and self.ownership is not None and request.signature is not None:
+        if prm.sim_band is not None and self.ownership is not None and request.signature is not None:
             return self._band_first(request, loads, cand)
         costs = self._costs(request, loads)
         if not math.isfinite(sum(costs)):  # never from this state; never an exception either
@@ -164,7 +162,7 @@ class EldrBalancedPolicy(StateAwarePolicy):
             raise ValueError(f"signature has {sig.shape[0]} dims, centroids have {self.centroids.shape[1]}")
         # the cost-band rule (sim_band None; the locality pick returned above)
         best = costs[cheapest]
-        width = queue_band(self.cost_band, self.cost_band_full, loads, cand, self.cost.max_batch)
+        width = queue_band(prm.cost_band, prm.cost_band_full, loads, cand, self.cost.max_batch)
         limit = best + abs(best) * width  # holds the cheapest whatever its sign
         band = [i for i in cand if costs[i] <= limit]
         if len(band) <= self.BAND_SCAN_MAX:  # the band's similarities only; the rest when read
@@ -188,7 +186,8 @@ class EldrBalancedPolicy(StateAwarePolicy):
         csims = self.centroids @ sig
         server_sims = self.ownership.gather(csims)
         sims = server_sims.tolist()
-        width = band_width(self.sim_band, self.sim_band_full, loads, cand, self.cost.max_batch)
+        prm = self.params
+        width = band_width(prm.sim_band, prm.sim_band_full, loads, cand, self.cost.max_batch)
         band = region_band(cand, sims, width)
         costs = self._costs(request, loads, band)
         if not math.isfinite(sum(costs[i] for i in band)):  # never from this state
@@ -204,9 +203,7 @@ class EldrBalancedPolicy(StateAwarePolicy):
 
     def describe(self) -> dict:
         out = super().describe()
-        out.update(policy=self.name, cost_band=self.cost_band, cost_band_full=self.cost_band_full,
-                   load_cap=self.load_cap, load_slack=self.load_slack,
-                   sim_band=self.sim_band, sim_band_full=self.sim_band_full,
+        out.update(policy=self.name, **{k: getattr(self.params, k) for k in _RULE},
                    ownership=None if self.ownership is None else self.ownership.as_lists())
         return out
 
@@ -223,10 +220,7 @@ def _candidate_list(n: int, allowed) -> list[int]:
 
 register_policy(PolicySpec(
     "eldr_balanced",
-    lambda ctx, prm: EldrBalancedPolicy(ctx.num_servers, cost=prm.step_cost(), centroids=ctx.centroids,
-                                        cost_band=prm.cost_band, load_cap=prm.load_cap, sim_band=prm.sim_band,
-                                        sim_band_full=prm.sim_band_full, load_slack=prm.load_slack,
-                                        cost_band_full=prm.cost_band_full),
-    aliases=("balanced",), params=BalancedParams, uses_artifact=True, rebuild_on_reload=True,
+    lambda ctx, prm: EldrBalancedPolicy(ctx.num_servers, prm, centroids=ctx.centroids),
+    aliases=("balanced",), params=BalancedParams, uses_artifact=True, rebuild_on_reload=True, family="cost",
     summary="bounded load, then within 5% of the least decode-time cost the most similar "
             "calibration region (default)"))

@@ -1,7 +1,9 @@
 """Typed, validated parameter sets of the decode-routing policies.
 
-Each policy declares its parameters as a frozen dataclass (``PolicySpec.params``: the
-field names, types and defaults; its ``__post_init__`` checks the ranges). Values come
+Each policy declares its parameters once, as a frozen :class:`Params` dataclass
+(``PolicySpec.params``): each field's name, type and default, and with :func:`param` its
+bounds and a one-line description; :func:`check_fields` (run by ``Params.__post_init__``)
+checks every field against its bounds, the one check of every policy parameter. Values come
 as text (``--policy-param cost_band=0.05``), as numbers (a YAML or JSON config file) or
 as the dataclass itself (code); :func:`parse_params` turns them into the dataclass or
 raises a one-line ``ValueError`` that names the field. One builder
@@ -14,24 +16,41 @@ from __future__ import annotations
 import math
 import types
 import typing
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 from functools import lru_cache
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 
+def param(default: Any, low: Optional[float] = None, doc: str = "") -> Any:
+    """A parameter field: its ``default``, its lower bound ``low`` (None: any finite value;
+    an ``int`` field defaults to >= 1) and a one-line description (help texts, the README's
+    policy table)."""
+    return field(default=default, metadata={"low": low, "doc": doc})
+
+
 @dataclass(frozen=True)
-class NoParams:
+class Params:
+    """Base of the policies' parameter sets: ``__post_init__`` checks every field against the
+    bounds it declares (:func:`check_fields`)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class NoParams(Params):
     """A policy without parameters."""
 
 
-def check_number(name: str, value: Any, low: float = 0.0, *, optional: bool = False) -> None:
-    """``value`` must be a finite number >= ``low`` (or None when ``optional``);
-    ValueError naming ``name``."""
+def check_number(name: str, value: Any, low: Optional[float] = 0.0, *, optional: bool = False) -> None:
+    """``value`` must be a finite number >= ``low`` (any finite number if ``low`` is None; or
+    None when ``optional``); ValueError naming ``name``."""
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < low:
-        raise ValueError(f"{name}: expected a finite number >= {low:g}, got {value!r}")
+            or (low is not None and value < low):
+        bound = "" if low is None else f" >= {low:g}"
+        raise ValueError(f"{name}: expected a finite number{bound}, got {value!r}")
 
 
 def check_int(name: str, value: Any, low: int = 1) -> None:
@@ -45,6 +64,43 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def _kind(hint: Any) -> tuple[Any, bool]:
+    """(the type, optional) of a field's annotation: ``Optional[float]`` -> (float, True)."""
+    args = typing.get_args(hint)
+    if (typing.get_origin(hint) in (Union, types.UnionType)) and type(None) in args:
+        return next(a for a in args if a is not type(None)), True
+    return hint, False
+
+
+@lru_cache(maxsize=None)
+def bounds(params: type) -> dict[str, tuple[Any, bool, Optional[float]]]:
+    """name -> (type, optional, lower bound) of every field of a parameter dataclass."""
+    hints = _hints(params)
+    out = {}
+    for f in fields(params):
+        kind, optional = _kind(hints[f.name])
+        low = f.metadata.get("low")
+        out[f.name] = (kind, optional, 1 if low is None and kind is int else low)
+    return out
+
+
+def check_fields(obj: Any) -> None:
+    """Every field of the parameter dataclass ``obj`` within the bounds it declares (an
+    ``int`` field: an integer; a ``float`` field: a finite number); ValueError naming the
+    field. The one range check of the policies' parameters."""
+    for name, (kind, optional, low) in bounds(type(obj)).items():
+        value = getattr(obj, name)
+        if kind is int and not (optional and value is None):
+            check_int(name, value, int(low))
+        elif kind is float:
+            check_number(name, value, low, optional=optional)
+
+
+def param_docs(params: type) -> dict[str, str]:
+    """name -> the one-line description a field declares (empty if none)."""
+    return {f.name: f.metadata.get("doc", "") for f in fields(params)}
+
+
 def param_names(params: type) -> tuple[str, ...]:
     """The parameter names of a parameter dataclass, in declaration order."""
     return tuple(f.name for f in fields(params))
@@ -53,9 +109,7 @@ def param_names(params: type) -> tuple[str, ...]:
 def _typed(name: str, hint: Any, raw: Any) -> Any:
     """``raw`` (text, number or None) as ``hint`` (float, int, Optional[...]); ValueError
     naming ``name``."""
-    args = typing.get_args(hint)
-    optional = (typing.get_origin(hint) in (Union, types.UnionType)) and type(None) in args
-    kind = next((a for a in args if a is not type(None)), hint) if optional else hint
+    kind, optional = _kind(hint)
     if optional and (raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "none", "null"))):
         return None
     if isinstance(raw, bool):

@@ -48,7 +48,7 @@ import numpy as np
 
 from eldr_sglang.core.policies.base import (Decision, Policy, PolicySpec, _candidates,
                                             least_loaded, register_policy)
-from eldr_sglang.core.policies.params import check_int, check_number
+from eldr_sglang.core.policies.params import Params, param
 
 P_MAX = 1.0 - 1e-6  # an expert used by every token still leaves 1 - p > 0: log(1 - p) >= -13.8
 _P_MAX32 = np.float32(P_MAX)
@@ -58,21 +58,16 @@ RESET_EVERY = 4096  # releases of one server between two recomputes of its sums 
 
 
 @dataclass(frozen=True)
-class StepCost:
+class StepCost(Params):
     """Decode step time ``base_s + per_seq_s * B + per_expert_s * U`` (seconds), ``U`` the
     expected distinct experts summed over the published layers. Defaults: Qwen3-30B-A3B
     on one MI300X with 2 published layers, from the simulator's cost model
     (``eldr_sglang.sim.cost_model.step_cost``; a test keeps them equal)."""
 
-    base_s: float = 0.006318
-    per_seq_s: float = 1.74e-05
-    per_expert_s: float = 5.698e-05
-    max_batch: int = 256
-
-    def __post_init__(self) -> None:
-        for name in ("base_s", "per_seq_s", "per_expert_s"):
-            check_number(name, getattr(self, name))
-        check_int("max_batch", self.max_batch)
+    base_s: float = param(0.006318, 0.0, "step-time law: seconds per decode step")
+    per_seq_s: float = param(1.74e-05, 0.0, "step-time law: seconds per sequence in the batch")
+    per_expert_s: float = param(5.698e-05, 0.0, "step-time law: seconds per distinct expert of the published layers")
+    max_batch: int = param(256, 1, "batch size beyond which a request queues")
 
 
 class _Live:
@@ -426,5 +421,5 @@ class StateAwarePolicy(Policy):
 
 register_policy(PolicySpec(
     "state_aware", lambda ctx, prm: StateAwarePolicy(ctx.num_servers, cost=prm, centroids=ctx.centroids),
-    aliases=("cost",), params=StepCost, uses_artifact=True,
+    aliases=("cost",), params=StepCost, uses_artifact=True, family="cost",
     summary="least predicted increase of decode time given each server's live batch"))
