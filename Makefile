@@ -1,4 +1,4 @@
-# eldr-sglang on a CPU-only machine. GPU users: see README ("GPU / ROCm").
+# eldr-sglang on a CPU-only machine. GPU users: see README ("Production deployment on a GPU cluster").
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 MODEL  ?= .cache/models/tiny-qwen3-moe
