@@ -395,11 +395,14 @@ def _activation(rng, dim, kind):
     return rng.random(dim)  # float64 (cast to float32 by the policy)
 
 
+@pytest.mark.parametrize("vector", [False, True], ids=["loop", "numpy"])
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("dim", [24, 384])
-def test_decisions_and_state_equal_the_reference(monkeypatch, seed, config, dim):
+def test_decisions_and_state_equal_the_reference(monkeypatch, seed, config, dim, vector):
     monkeypatch.setattr(sa_module, "RESET_EVERY", _RESET_EVERY)
+    # every server priced by the Python loop, or with numpy (_cost_array) at any size
+    monkeypatch.setattr(StateAwarePolicy, "VECTOR_MIN", 1 if vector else 10 ** 9)
     rng = np.random.default_rng(1000 * seed + dim)
     n = int(rng.integers(3, 9))
     opts = dict(CONFIGS[config])

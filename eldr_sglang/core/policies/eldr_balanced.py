@@ -150,10 +150,15 @@ class EldrBalancedPolicy(StateAwarePolicy):
         cand = self._capped(_candidate_list(n, allowed), loads)
         if prm.sim_band is not None and self.ownership is not None and request.signature is not None:
             return self._band_first(request, loads, cand)
-        costs = self._costs(request, loads)
-        if not math.isfinite(sum(costs)):  # never from this state; never an exception either
+        vector = self._vectorised(n)
+        costs = self._cost_array(request, loads) if vector else self._costs(request, loads)
+        if not math.isfinite(costs.sum() if vector else sum(costs)):  # never from this state, nor an exception
             return self._fallback("degenerate_cost", loads, cand)
-        cheapest = min(cand, key=costs.__getitem__)
+        whole = len(cand) == n  # every server is a candidate
+        if vector:
+            cheapest = int(costs.argmin()) if whole else cand[int(costs[cand].argmin())]
+        else:
+            cheapest = min(cand, key=costs.__getitem__)
         if self.ownership is None or request.signature is None:
             return Decision(cheapest, self.name, "cost" if request.activation is not None else "no_activation",
                             band=(cheapest,), server_similarities=-np.asarray(costs))
@@ -164,7 +169,11 @@ class EldrBalancedPolicy(StateAwarePolicy):
         best = costs[cheapest]
         width = queue_band(prm.cost_band, prm.cost_band_full, loads, cand, self.cost.max_batch)
         limit = best + abs(best) * width  # holds the cheapest whatever its sign
-        band = [i for i in cand if costs[i] <= limit]
+        if vector:
+            inside = np.flatnonzero((costs if whole else costs[cand]) <= limit).tolist()
+            band = inside if whole else [cand[j] for j in inside]
+        else:
+            band = [i for i in cand if costs[i] <= limit]
         if len(band) <= self.BAND_SCAN_MAX:  # the band's similarities only; the rest when read
             own = self.ownership
             sims = {i: own.similarity_of(i, sig) for i in band}
@@ -173,9 +182,8 @@ class EldrBalancedPolicy(StateAwarePolicy):
                                 own.similarities_later(sig))
         csims = self.centroids @ sig  # the cost band holds more servers than are worth scanning
         server_sims = self.ownership.gather(csims)
-        sims = server_sims.tolist()
-        idx = max(band, key=lambda i: (sims[i], -costs[i]))
-        return Decision(idx, self.name, "cost_band", tuple(band), sims[idx], server_sims, csims)
+        idx = _most_similar(band, server_sims, costs)
+        return Decision(idx, self.name, "cost_band", tuple(band), float(server_sims[idx]), server_sims, csims)
 
     def _band_first(self, request, loads, cand: list[int]) -> Decision:
         """The locality pick pricing only the band (bounded load and the similarity band
@@ -206,6 +214,22 @@ class EldrBalancedPolicy(StateAwarePolicy):
         out.update(policy=self.name, **{k: getattr(self.params, k) for k in _RULE},
                    ownership=None if self.ownership is None else self.ownership.as_lists())
         return out
+
+
+def _most_similar(band: list[int], sims: np.ndarray, costs) -> int:
+    """``max(band, key=(similarity, -cost))``: the most similar server of the band, the
+    cheaper of equally similar ones, then the first (numpy over the band; Python where a
+    similarity is not a number, as Python's comparisons order those)."""
+    at = np.asarray(band, dtype=np.intp)
+    s = sims[at]
+    top = s.max()
+    if top != top:
+        sl = sims.tolist()
+        return max(band, key=lambda i: (sl[i], -costs[i]))
+    tied = at[s == top]
+    if tied.size == 1:
+        return int(tied[0])
+    return int(tied[int(np.asarray(costs, dtype=np.float64)[tied].argmin())])
 
 
 def _candidate_list(n: int, allowed) -> list[int]:

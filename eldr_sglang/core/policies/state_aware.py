@@ -142,6 +142,7 @@ class StateAwarePolicy(Policy):
         self.fallbacks: dict[str, int] = {}  # decisions that could not use the costs, by reason
         # _costs inlines the step-time law unless a subclass prices servers its own way
         self._inline_score = type(self)._score is StateAwarePolicy._score
+        self._law_cache: Optional[tuple] = None  # _law_arrays()
         self.centroids = None
         if centroids is not None:
             c = np.asarray(centroids, dtype=np.float32)
@@ -273,6 +274,7 @@ class StateAwarePolicy(Policy):
         """Price server ``index`` with ``law`` (fitted from its engine's steps), or with
         the policy's own cost again (None)."""
         self.laws[index] = law
+        self._law_cache = None
 
     def expected_unique(self) -> np.ndarray:
         """[N] expected distinct experts of each server's live batch (published layers)."""
@@ -284,6 +286,7 @@ class StateAwarePolicy(Policy):
     def add_server(self) -> None:
         self.servers.append(_Server())
         self.laws.append(None)
+        self._law_cache = None
         if self.log_free is not None:
             self.offset = np.vstack([self.offset, np.zeros((1, self.dim))])
             self.log_free = np.vstack([self.log_free, np.zeros((1, self.dim))])
@@ -293,6 +296,7 @@ class StateAwarePolicy(Policy):
     def remove_server(self, index: int) -> None:
         self.servers.pop(index)
         self.laws.pop(index)
+        self._law_cache = None
         self._reported = {i - (i > index) for i in self._reported if i != index}
         if self.log_free is not None:
             self.offset = np.delete(self.offset, index, axis=0)
@@ -311,13 +315,68 @@ class StateAwarePolicy(Policy):
             du = np.dot(self.free, p).tolist()
         return du
 
+    # From this many servers every server is priced with numpy (:meth:`_cost_array`, the same
+    # floats as the loop below); below it the loop over Python floats is cheaper.
+    VECTOR_MIN = 16
+
+    def _vectorised(self, n: int) -> bool:
+        return n >= self.VECTOR_MIN and self._inline_score
+
+    def _law_arrays(self) -> tuple:
+        """(base_s, per_seq_s, per_expert_s, max_batch) of every server: the policy's law as
+        scalars while no server has its own, else [N] arrays (cached until a law or the
+        membership changes)."""
+        law = self._law_cache
+        if law is None:
+            if not any(self.laws):
+                c = self.cost
+                law = (c.base_s, c.per_seq_s, c.per_expert_s, c.max_batch)
+            else:
+                laws = [x or self.cost for x in self.laws]
+                law = tuple(np.array([getattr(x, f) for x in laws], dtype=np.float64)
+                            for f in ("base_s", "per_seq_s", "per_expert_s", "max_batch"))
+            self._law_cache = law
+        return law
+
+    def _cost_array(self, request, loads) -> np.ndarray:
+        """[N] float64 score of every server: :meth:`_score` elementwise, its expressions in
+        the same order (so the same floats as the loop in :meth:`_costs`)."""
+        n = len(loads)
+        if request.activation is None or self.log_free is None:
+            du = np.zeros(n)
+            if self.log_free is None:
+                u = np.zeros(n)
+            else:
+                self._refresh()
+                u = self.unique
+        else:
+            p = self._vector(request.activation)
+            self._ensure(p.size)
+            self._refresh()
+            u = self.unique
+            du = np.dot(self.free, p)
+            if not np.isfinite(du).all():
+                du = np.dot(self.free, np.nan_to_num(p, nan=0.0, posinf=1.0, neginf=0.0))
+            du = du.astype(np.float64)
+        base, ps, pe, full = self._law_arrays()
+        b = np.asarray(loads, dtype=np.float64)
+        t0 = base + ps * b + pe * u
+        step = ps + pe * du
+        score = t0 + (b + 1.0) * step
+        queued = b >= full
+        if queued.any():  # the wait of a full batch: about b - max_batch + 1 steps
+            score = np.where(queued, score + (b - full + 1.0) * (t0 + ps + pe * du), score)
+        return score
+
     def _costs(self, request, loads, rows: Optional[list[int]] = None) -> list[float]:
-        """Per-server score as Python floats (a loop over N beats ~15 small numpy calls);
-        ``rows``: score only these servers (the others come back as +inf), one short
-        matvec instead of the [N, D] one."""
+        """Per-server score as Python floats (a loop over N beats ~15 small numpy calls up to
+        :data:`VECTOR_MIN` servers, :meth:`_cost_array` beyond); ``rows``: score only these
+        servers (the others come back as +inf), one short matvec instead of the [N, D] one."""
         n = len(loads)
         if rows is None or len(rows) >= n:
             rows = None
+            if self._vectorised(n):
+                return self._cost_array(request, loads).tolist()
         if request.activation is None or self.log_free is None:
             du = [0.0] * n
             u = [0.0] * n if self.log_free is None else self._unique_list()
