@@ -1,0 +1,167 @@
+"""SMG routing keys under traffic, restarts and re-bindings: the pre-router in front of
+the in-process SMG 0.3.2 model of :mod:`tests.integration.fake_smg` (sticky random
+key assignment, per-worker completion counters and keys-in-flight gauge, new worker
+ids after a restart; other traffic modelled as completions on the counters), loopback
+only. Every pinned request's serving worker is checked against the ELDR decision."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+
+import orjson
+
+from eldr_sglang.integrations import Choice, SmgPreRouter
+from tests.helpers import until
+from tests.integration.fake_smg import FakeSmg
+from tests.integration.integrations_helpers import adapter
+
+
+class ToScorer:
+    """The ELDR decision stand-in: the body's ``to`` names the worker (index in the list)."""
+
+    async def choose(self, body, endpoint, workers, loads):
+        return Choice(workers[int(body["to"]) % len(workers)], 0)
+
+    def release(self, choice):
+        pass
+
+
+@contextlib.asynccontextmanager
+async def rig(n: int, **kw):
+    smg = FakeSmg(n, **{k: v for k, v in kw.items() if k in ("serve_s", "background_rps", "count_delay_s",
+                                                                 "control_token", "seed")})
+    await smg.start()
+    pre_kw = {k: v for k, v in kw.items() if k in ("verify_s", "control_token", "refresh_s")}
+    pre = SmgPreRouter(smg.url, ToScorer(), metrics_url=smg.url + "/metrics", **{"refresh_s": 0.2, **pre_kw})
+    try:
+        async with adapter(pre) as (aurl, http):
+            yield smg, pre, aurl, http
+    finally:
+        await smg.stop()
+
+
+async def send(http, aurl, to: int):
+    async with http.post(aurl + "/generate", data=orjson.dumps({"text": "x", "to": to}),
+                         headers={"Content-Type": "application/json"}) as r:
+        doc = orjson.loads(await r.read())
+        assert r.status == 200, doc
+        return doc["meta_info"]["server"], r.headers.get("X-ELDR-Worker"), r.headers.get("X-ELDR-Path")
+
+
+def wrong_keys(smg: FakeSmg, pre: SmgPreRouter) -> dict[str, str]:
+    return {w: k for w, k in pre.keys.items() if smg.bound(k) != w}
+
+
+class Traffic:
+    """``conc`` clients sending back to back to random workers; records every answer."""
+
+    def __init__(self, http, aurl, smg: FakeSmg, conc: int = 4, seed: int = 1) -> None:
+        self.http, self.aurl, self.smg, self.rng = http, aurl, smg, random.Random(seed)
+        self.log: list[tuple[str, str, str]] = []  # (decided worker name, served, path)
+        self.tasks = [asyncio.get_running_loop().create_task(self._run()) for _ in range(conc)]
+
+    async def _run(self) -> None:
+        while True:
+            to = self.rng.randrange(len(self.smg.urls))
+            served, _, path = await send(self.http, self.aurl, to)
+            self.log.append((f"d{to}", served, path))
+
+    def pinned(self, start: int = 0) -> tuple[int, int]:
+        """(pinned requests, of them served elsewhere) since log index ``start``."""
+        p = [(want, got) for want, got, path in self.log[start:] if path == "pinned"]
+        return len(p), sum(1 for want, got in p if want != got)
+
+    async def stop(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+async def test_keys_learned_under_2000_req_s_of_other_traffic():
+    n = 8
+    async with rig(n, background_rps=2000, serve_s=0.05) as (smg, pre, aurl, http):
+        await until(lambda: len(pre.keys) == n, 60, "a key learned for each of 8 decode workers")
+        assert wrong_keys(smg, pre) == {}
+        cost = pre.counters["probe_requests"]
+        assert cost <= n * pre.max_keys_per_worker * pre.probe_rounds
+        assert pre.status()["learning"]["last_run"]["converged"] is True
+        for i in range(2 * n):
+            served, pinned, path = await send(http, aurl, i % n)
+            assert path == "pinned" and served == f"d{i % n}"
+        print(f"\nlearned {n} keys under 2000 req/s of other traffic with {cost} probe requests")
+
+
+async def test_delayed_counting_binds_no_wrong_key_and_a_moved_key_is_caught():
+    n = 8
+    async with rig(n, background_rps=30, count_delay_s=0.3, serve_s=0.05, verify_s=0.05) as (smg, pre, aurl, http):
+        await until(lambda: len(pre.keys) == n, 60, "a key learned for each of 8 decode workers")
+        assert wrong_keys(smg, pre) == {}, "a key bound to the wrong worker"
+        # SMG moves d0's key to d1 behind our back (idle eviction, a flap): verification must see it
+        d0, d1 = smg.urls[0], smg.urls[1]
+        moved = pre.keys[d0]
+        smg.keys[moved] = d1
+        start = len(pre.decisions)
+        served_elsewhere = 0
+
+        async def d0_traffic():
+            nonlocal served_elsewhere
+            while True:
+                served, _, path = await send(http, aurl, 0)
+                served_elsewhere += path == "pinned" and served != "d0"
+
+        task = asyncio.get_running_loop().create_task(d0_traffic())
+        try:
+            await until(lambda: pre.counters["keys_contradicted"] >= 1, 60, "the moved key is contradicted")
+            await until(lambda: pre.keys.get(d0) and smg.bound(pre.keys[d0]) == d0, 60, "d0 has a right key again")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        sent = len(pre.decisions) - start
+        assert moved not in pre.keys.values() or pre.keys.get(d1) == moved
+        assert wrong_keys(smg, pre) == {}
+        print(f"\nmoved key caught after {served_elsewhere} of {sent} requests to d0 were served elsewhere")
+
+
+async def test_smg_restarts_are_detected_and_keys_relearned():
+    async with rig(2, serve_s=0.03) as (smg, pre, aurl, http):
+        await until(lambda: len(pre.keys) == 2, 30, "keys learned")
+        traffic = Traffic(http, aurl, smg, conc=4)
+        try:
+            start = len(traffic.log)
+            for r in range(3):
+                mark = len(traffic.log)
+                await until(lambda: len(traffic.log) >= mark + 150, 60, "traffic before the restart")
+                smg.restart()
+                await until(lambda: pre.counters["smg_restarts"] == r + 1, 30, "the restart is detected")
+                await until(lambda: len(pre.keys) == 2, 60, "keys re-learned after the restart")
+            mark = len(traffic.log)
+            await until(lambda: len(traffic.log) >= mark + 150, 60, "traffic after the last restart")
+        finally:
+            await traffic.stop()
+        pinned, elsewhere = traffic.pinned(start)
+        total = len(traffic.log) - start
+        assert wrong_keys(smg, pre) == {}
+        assert elsewhere <= 0.05 * pinned, f"{elsewhere} of {pinned} pinned requests served elsewhere"
+        print(f"\n3 restarts: {elsewhere} of {pinned} pinned requests served elsewhere "
+              f"({total} requests, {total - pinned} unpinned)")
+
+
+async def test_replicas_are_detected_and_pinning_stops():
+    async with rig(2, serve_s=0.02) as (smg, pre, aurl, http):
+        await until(lambda: len(pre.keys) == 2, 30, "keys learned")
+        first = dict(smg.ids)
+        smg.restart()  # a second replica answers /workers ...
+        await until(lambda: pre.counters["smg_restarts"] == 1, 30, "new ids seen")
+        smg.ids = first  # ... then the first again
+        await until(lambda: pre.replicas, 30, "replicas detected")
+        _, pinned, path = await send(http, aurl, 0)
+        assert pinned == "-" and path == "fallback_no_pin" and pre.counters["fallback_smg_replicas"] >= 1
+
+
+async def test_control_plane_token():
+    async with rig(2, serve_s=0.02, control_token="s3cret") as (smg, pre, aurl, http):
+        await until(lambda: len(pre.keys) == 2, 30, "workers listed with the token and keys learned")
+        served, pinned, path = await send(http, aurl, 1)
+        assert path == "pinned" and served == "d1"
