@@ -33,15 +33,16 @@ from aiohttp import web
 
 from eldr_sglang.core.policies import least_loaded
 from eldr_sglang.prompts import Tokenizer, default_tokenizer_path, load_tokenizer
-from eldr_sglang.router.http import sampling
 from eldr_sglang.router.pool import upstream
-from eldr_sglang.router.http.bodies import BodyError, read_body, routing_view
+from eldr_sglang.router.http.bodies import BodyError, read_body
+from eldr_sglang.router.http.prompt_view import prompt_view
 from eldr_sglang.router.http.clients import REQUEST_ID_KEY
 from eldr_sglang.router.config import RouterConfig
 from eldr_sglang.router.flow.dispatch_parts import Flight
 from eldr_sglang.router.metrics import RouterMetrics
 from eldr_sglang.router.http.responses import error_response
 from eldr_sglang.router.state.routing import Routing
+from eldr_sglang.router.signals.prompt_work import PromptWork
 from eldr_sglang.router.signals.scoring import PredictedRouting, ScoreEndpoint, decide, path_counter
 from eldr_sglang.router.shell import RouterShell, initial_artifact
 from eldr_sglang.router.pool.workers import Worker, WorkerPool
@@ -85,10 +86,13 @@ class ColocatedRouter(RouterShell):
         self.tokenizer = tokenizer
         self.predicted = PredictedRouting(artifact, tokenizer)
         self.paths = path_counter(m.registry)
+        self.work = PromptWork()
         self.score = ScoreEndpoint(lambda: self.predicted, lambda: self.routing.policy,
                                    lambda: [w.url for w in self.pool.decodes],
-                                   self.pool.decode_loads, self.paths, body_limit=self.body_limit,
-                                   body_timeout=c.client_body_timeout or None)
+                                   self.pool.decode_loads, self.paths, parser=self.parser,
+                                   work=self.work, max_batch=c.max_batch, body_limit=self.body_limit,
+                                   body_timeout=c.client_body_timeout or None,
+                                   retry_after=c.retry_after)
         self._rng = np.random.default_rng(c.seed)
         if not self.predicted.can_predict and self.routing.policy.needs_signature:
             logger.warning("policy %s needs signatures and the artifact has no predictor: every request "
@@ -108,7 +112,11 @@ class ColocatedRouter(RouterShell):
 
     def flow_status(self) -> dict:
         return {"predictor": self.predicted.can_predict, "tokenizer": getattr(self.tokenizer, "path", None),
+                "prompt_work": self.work.describe(),
                 "workers": [w.describe() for w in self.pool.decodes]}
+
+    async def stop_flow(self) -> None:
+        self.work.close()
 
     # ------------------------------------------------------------ the flow
     async def handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
@@ -136,28 +144,27 @@ class ColocatedRouter(RouterShell):
                 self.ab.request_done(token, elapsed, status)
 
     def _bad(self, message: str, status: int = 400) -> web.Response:
-        kind = {408: "body_timeout", 413: "too_large"}.get(status, "bad_request")
+        kind = {408: "body_timeout", 413: "too_large", 503: "busy"}.get(status, "bad_request")
         self.metrics.errors.labels(kind).inc()
-        return error_response(status, message)
+        return error_response(status, message, self.config.retry_after if status == 503 else None)
 
     async def _serve(self, request: web.Request, endpoint: str, t0: float, raw: bytes,
                      routing: Routing) -> web.StreamResponse:
-        # parsed in the parser process when big; only the fields routing reads come back
-        out = await self.parser.run(routing_view, raw, endpoint)
+        # viewed in the parser process when big: only the bounded view comes back
+        out = await self.parser.run(prompt_view, raw, endpoint, self.config.max_batch)
         if out[0] == "error":
             return self._bad(out[2], out[1])
-        body = out[1]
-        refused = sampling.refusal(body, endpoint, pd=False)  # n > 1 passes; best_of > n does not
-        if refused:
-            return self._bad(refused)
+        view = out[1]
         predicted = self.predicted
-        try:
-            items = predicted.token_ids(body, endpoint)
+        try:  # tokenised and predicted on the prompt thread
+            route, _ = await self.work.run(predicted.predict, view, endpoint)
+        except BodyError as e:
+            return self._bad(str(e), e.status)
         except ValueError as e:
             if predicted.can_predict or self.tokenizer is not None:
                 return self._bad(str(e))
-            items = []  # nothing to predict with anyway: route by load
-        route, _ = predicted.route(items) if items else (None, {})
+            route = None  # nothing to predict with anyway: route by load
+        body = view
         rid = request.get(REQUEST_ID_KEY)
         fl = Flight(endpoint, t0, body, None, [], routing, headers=(rid,) if rid else (),
                     stream=bool(body.get("stream", False)), payload=raw)

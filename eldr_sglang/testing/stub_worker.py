@@ -144,13 +144,16 @@ def _items(body: dict) -> tuple[list[str], bool]:
         if ids and isinstance(ids[0], list):
             return [" ".join(map(str, x)) for x in ids], True
         return [" ".join(map(str, ids))], False
-    if isinstance(text, list) and "text" in body:
-        return [str(t) for t in text], True
+    if isinstance(text, list) and ("text" in body or (text and isinstance(text[0], (str, list)))):
+        return [str(t) for t in text], True  # a /generate batch, or a /v1/completions prompt list
     return [str(text)], False
 
 
-def _as_list(v: Any, n: int) -> list:
-    return list(v) if isinstance(v, list) else [v] * n
+def _as_list(v: Any, n: int, room: bool = False) -> list:
+    """Per item; an int room of a batch is ``room + i``, as SGLang normalises it."""
+    if isinstance(v, list):
+        return list(v)
+    return [v + i for i in range(n)] if room and isinstance(v, int) else [v] * n
 
 
 class StubWorker:
@@ -185,6 +188,7 @@ class StubWorker:
         fail_after_kv: float = 0.0,
         api_key: Optional[str] = None,
         backlog: int = 2048,
+        eof_gate: Optional[asyncio.Event] = None,
     ) -> None:
         assert role in ("prefill", "decode")
         self.role, self.name = role, name or role
@@ -211,6 +215,7 @@ class StubWorker:
         self.max_active = 0  # the most answered at once
         self.api_key = api_key  # like SGLang's --api-key: Bearer needed except on /health
         self.backlog = backlog  # listen backlog: SGLang's uvicorn default (aiohttp's is 128)
+        self.eof_gate = eof_gate  # a stream's end waits for it after [DONE] (a slow last chunk)
         self.headers: list[dict] = []  # headers of every generate request (names lower-case)
         self._thawed = asyncio.Event()
         self._thawed.set()
@@ -413,7 +418,7 @@ class StubWorker:
         texts, is_batch = _items(body)
         n = len(texts)
         rids = [str(r) for r in _as_list(body.get("rid", ""), n)]
-        rooms = _as_list(body.get("bootstrap_room"), n)
+        rooms = _as_list(body.get("bootstrap_room"), n, room=True)
         fail = self.served <= self.fail_first or (self.fail_rate and self.rng.random() < self.fail_rate)
         dest = _return_address(body) or self.signature_url
         if (self.role == "prefill" and self.send_signature and dest
@@ -463,6 +468,8 @@ class StubWorker:
                     except asyncio.TimeoutError:
                         pass
             await out.write(b"data: [DONE]\n\n")
+            if self.eof_gate is not None:
+                await self.eof_gate.wait()
             await out.write_eof()
             return out
         finally:

@@ -22,7 +22,7 @@ PD_REFUSED = [
     ("/v1/completions", {"model": "m", "prompt": "hello", "n": 2}),
     ("/v1/completions", {"model": "m", "prompt": "hello", "n": 3, "stream": True}),
     ("/v1/completions", {"model": "m", "prompt": ["a", "b"], "n": 2}),
-    ("/v1/completions", {"model": "m", "prompt": "hello", "n": "2"}),  # pydantic reads "2" as 2
+    ("/v1/completions", {"model": "m", "prompt": "hello", "n": "2"}),  # not a plain integer
     ("/v1/completions", {"model": "m", "prompt": "hello", "best_of": 3}),
     ("/v1/completions", {"model": "m", "prompt": "hello", "n": 2, "best_of": 2}),
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2}),
@@ -43,7 +43,7 @@ async def test_pd_router_refuses_parallel_sampling_at_once(path, body):
         message = err["message"] if path.startswith("/v1/") else err
         if path.startswith("/v1/"):
             assert err["type"] == "invalid_request_error" and err["code"] == 400
-        assert ("bootstrap room" in message) or ("best_of" in message), message
+        assert ("bootstrap room" in message) or ("best_of" in message) or ("must be an integer" in message), message
         assert prefill.served == 0 and all(d.served == 0 for d in decodes)  # nothing went upstream
         assert router.metrics.value("errors", kind="bad_request") == 1
 
@@ -87,7 +87,10 @@ async def test_colocated_router_refuses_best_of_above_n():
 def test_samples_and_refusal_rules():
     assert samples({"prompt": "x"}, "v1/completions") == 1
     assert samples({"prompt": "x", "n": 4}, "v1/completions") == 4
-    assert samples({"prompt": "x", "n": True}, "v1/completions") == 1  # not a count: SGLang answers
+    for spelled in (True, "2", 2.0, "+2", "²", [2]):  # only a plain JSON integer is a count
+        with pytest.raises(ValueError, match="'n' must be an integer"):
+            samples({"prompt": "x", "n": spelled}, "v1/completions")
+        assert "'n' must be an integer" in refusal({"prompt": "x", "n": spelled}, "v1/completions", pd=False)
     assert samples({"text": "x", "sampling_params": [{"n": 1}, {"n": 3}]}, "generate") == 3
     assert samples({"text": "x", "n": 3}, "generate") == 1  # /generate reads sampling_params only
     assert samples({"text": "x", "sampling_params": {"n": 3, "beam_width": 3}}, "generate") == 1  # beams

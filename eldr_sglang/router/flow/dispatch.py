@@ -141,9 +141,10 @@ class Dispatcher:
                 finally:
                     p.pool.leave(d, ticket)
                     fl.routing.policy.release(admitted)
-        except asyncio.CancelledError:  # client went away
-            p.metrics.event("client_disconnects")
-            self._abandon(fl, d)
+        except asyncio.CancelledError:  # client went away (unless it had the whole answer)
+            if not fl.finished:
+                p.metrics.event("client_disconnects")
+                self._abandon(fl, d)
             raise
         except Exception:  # a router bug: nothing may stay held on the workers
             self._abandon(fl, d)

@@ -89,6 +89,7 @@ class Flight:
     route: RouteRequest = field(default_factory=RouteRequest)
     waited: float = 0.0  # seconds waited for the signature
     decode_sent: bool = False
+    finished: bool = False  # the client has the whole answer (a stream's last event relayed)
     sent: set[int] = field(default_factory=set)  # ids of the workers the request was written to
     ab: Any = None  # on_start's token (A/B)
 

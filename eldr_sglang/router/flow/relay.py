@@ -22,6 +22,7 @@ from eldr_sglang.router.pool.workers import Worker, WorkerPool
 
 logger = logging.getLogger("eldr_sglang.router")
 ABORT_TIMEOUT = 5.0
+DONE = b"data: [DONE]"  # a stream's last event: a client may close as soon as it has read it
 
 
 class Relay:
@@ -116,14 +117,25 @@ class Relay:
             headers.update(fl.headers)  # the request id, echoed
         out = web.StreamResponse(status=200, headers=headers)
         await out.prepare(request)
+        tail = b""
         try:
             async for chunk in resp.iter_chunks():
                 await out.write(chunk)
+                tail = (tail + chunk)[-len(DONE) - 8:]
+                fl.finished = fl.finished or DONE in tail
+            fl.finished = True
             await out.write_eof()
             pool.success(d, ticket)
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            if fl.finished:  # the client read the last event and closed: a finished request
+                pool.success(d, ticket)
+                return out
             self.metrics.event("client_disconnects")
             self.abort_sent(fl, [fl.prefill, d])
+        except asyncio.CancelledError:  # the client closed (handler cancellation)
+            if fl.finished:
+                pool.success(d, ticket)
+            raise
         except upstream.UpstreamError as e:
             timeout = isinstance(e, upstream.Timeout)
             pool.failure(d, ticket, f"stream broken: {e!r}", "timeout" if timeout else "stream",

@@ -28,6 +28,8 @@ from aiohttp import web
 from eldr_sglang.router.http import sampling
 
 OFF_LOOP_BYTES = 256 << 10  # bodies at least this large are parsed in the parser process
+MAX_PENDING = 64  # bodies waiting for the parser process; beyond, 503 + Retry-After
+MAX_PENDING_BYTES = 512 << 20
 ADMIN_BODY_BYTES = 64 << 10  # admin POSTs: server lists, a calibration path
 BULK_FIELDS = ("text", "input_ids", "input_embeds", "prompt", "messages")
 FRAGMENT_BYTES = 16 << 10  # in a big body, other values this large are forwarded as fragments
@@ -125,6 +127,34 @@ def validate_openai(endpoint: str, body: dict, limit: int) -> None:
         raise BadRequest("'messages' must be a non-empty list")
 
 
+MODEL_CHARS = 1024
+
+
+def check_scalars(body: dict, endpoint: str) -> None:
+    """The scalars a router reads: ``stream`` true/false, ``model`` a string, ``n`` /
+    ``best_of`` plain integers (:func:`~eldr_sglang.router.http.sampling.check_counts`);
+    BadRequest naming the field, never a list or megabytes read as one."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest("'stream' must be true or false")
+    model = body.get("model")
+    if model is not None and not (isinstance(model, str) and len(model) <= MODEL_CHARS):
+        raise BadRequest(f"'model' must be a string of at most {MODEL_CHARS} characters")
+    try:
+        sampling.check_counts(body, endpoint)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+
+
+def prompt_batch(body: dict) -> Optional[int]:
+    """A ``/v1/completions`` list of prompts (strings or token id lists) is a batch, as
+    SGLang serves it (one bootstrap room per prompt): its length, else None."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt)
+    return None
+
+
 def too_deep(raw: bytes, obj: Any) -> bool:
     """Whether ``obj`` (parsed from ``raw``) nests deeper than orjson can write back.
     Counting brackets is a C-speed pass; only a body with enough of them is written
@@ -193,8 +223,9 @@ def prepare(raw: bytes, endpoint: str, max_batch: int, split: bool = False) -> t
         if endpoint == "generate":
             n = batch_size(body, max_batch)
         else:
-            n = None
             validate_openai(endpoint, body, max_batch)
+            n = prompt_batch(body) if endpoint == "v1/completions" else None
+        check_scalars(body, endpoint)
     except BadRequest as e:
         return "error", e.status, str(e)
     refused = sampling.refusal(body, endpoint, pd=True)  # n > 1 cannot pass through PD
@@ -213,28 +244,6 @@ def prepare(raw: bytes, endpoint: str, max_batch: int, split: bool = False) -> t
     return "ok", body, n, fragments
 
 
-VIEW_FIELDS = ("text", "input_ids", "prompt", "messages", "stream", "n", "best_of", "model")
-
-
-def routing_view(raw: bytes, endpoint: str) -> tuple:
-    """Parse and check one body for the co-located router, which forwards the raw bytes
-    unchanged: ``("ok", the fields routing reads)`` or ``("error", status, message)``.
-    Only those fields come back from the parser process, so no other field, of any
-    size or shape, costs the event loop an unpickle."""
-    parsed = parse_object(raw)
-    if parsed[0] == "error":
-        return parsed
-    body = parsed[1]
-    view = {k: body[k] for k in VIEW_FIELDS if k in body}
-    sp = body.get("sampling_params")
-    keep = ("n", "beam_width")
-    if isinstance(sp, dict):
-        view["sampling_params"] = {k: sp[k] for k in keep if k in sp}
-    elif isinstance(sp, list):
-        view["sampling_params"] = [{k: x[k] for k in keep if k in x} if isinstance(x, dict) else x for x in sp]
-    return "ok", view
-
-
 def place_fragments(body: dict, fragments: dict) -> dict:
     """Put each ``{path: JSON bytes}`` back into ``body`` as an :class:`orjson.Fragment`."""
     for path, value in fragments.items():
@@ -248,10 +257,14 @@ def place_fragments(body: dict, fragments: dict) -> dict:
 class BodyParser:
     """:func:`prepare` on the event loop for small bodies, in one worker process for big ones."""
 
-    def __init__(self, off_loop_bytes: int = OFF_LOOP_BYTES) -> None:
+    def __init__(self, off_loop_bytes: int = OFF_LOOP_BYTES, max_pending: int = MAX_PENDING,
+                 max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         self.off_loop_bytes = off_loop_bytes
         self.executor: Optional[concurrent.futures.ProcessPoolExecutor] = None
         self.off_loop = 0  # bodies parsed in the worker process
+        # waiting for the parser process: at most this many bodies and bytes, then 503
+        self.max_pending, self.max_pending_bytes = max_pending, max_pending_bytes
+        self.pending = self.pending_bytes = self.refused = 0
 
     def _pool(self) -> concurrent.futures.ProcessPoolExecutor:
         if self.executor is None:
@@ -264,12 +277,20 @@ class BodyParser:
         (``fn`` must be a module-level function; ``off_loop_bytes``: this call's threshold)."""
         if len(raw) < min(self.off_loop_bytes, off_loop_bytes or self.off_loop_bytes):
             return fn(raw, *args)
+        if self.pending >= self.max_pending or self.pending_bytes + len(raw) > self.max_pending_bytes:
+            self.refused += 1
+            raise BodyError(f"router busy: {self.pending} large bodies wait to be parsed; retry", 503)
         self.off_loop += 1
+        self.pending += 1
+        self.pending_bytes += len(raw)
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool(), fn, raw, *args)
         except concurrent.futures.process.BrokenProcessPool:
             self.executor = None
             raise
+        finally:
+            self.pending -= 1
+            self.pending_bytes -= len(raw)
 
     async def request(self, raw: bytes, endpoint: str, max_batch: int) -> tuple[dict, Optional[int]]:
         """(body, batch size); BadRequest (4xx) when the body is not a valid request."""

@@ -31,42 +31,55 @@ PD_PARALLEL_SAMPLING = (
     "the prompt){generate}, or use a co-located router (--mode colocated)")
 
 
-def _count(value: Any) -> Optional[int]:
-    """An integer as pydantic's lax mode reads one (2, 2.0, "2"); None for anything else
-    (left for SGLang to answer)."""
-    if isinstance(value, bool):
+MAX_COUNT = 2 ** 31 - 1
+
+
+def _count(value: Any, field: str) -> Optional[int]:
+    """A plain JSON integer from 1 to :data:`MAX_COUNT`, or None when absent; ValueError
+    naming ``field`` for anything else. SGLang's OpenAI protocol reads ``"+2"``, ``"2.0"``,
+    ``"2_0"`` as 2, 2, 20 (pydantic's lax mode): the router takes no spelling it might
+    read otherwise than SGLang does."""
+    if value is None:
         return None
-    if isinstance(value, int):
+    if type(value) is int and 1 <= value <= MAX_COUNT:
         return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value.strip())
-    return None
+    raise ValueError(f"'{field}' must be an integer from 1 to {MAX_COUNT}")
 
 
 def samples(body: dict, endpoint: str) -> int:
-    """How many samples per prompt the request asks for (``n``; 1 when absent or malformed).
+    """How many samples per prompt the request asks for (``n``; 1 when absent);
+    ValueError naming the field when ``n`` (or ``beam_width``) is not a plain integer.
 
     OpenAI routes: the top-level ``n``. ``/generate``: ``sampling_params.n`` (a list of
     sampling params: the largest); 1 for a beam search (``beam_width > 1``: SGLang's ``n``
     is then the number of beams returned, one request, no fan-out)."""
     if endpoint != "generate":
-        return _count(body.get("n")) or 1
+        return _count(body.get("n"), "n") or 1
     sp = body.get("sampling_params")
-    params = sp if isinstance(sp, list) else [sp]
-    first = params[0] if params and isinstance(params[0], dict) else {}
-    if (_count(first.get("beam_width")) or 1) > 1:
+    params = [p for p in (sp if isinstance(sp, list) else [sp]) if isinstance(p, dict)]
+    ns = [_count(p.get("n"), "sampling_params.n") or 1 for p in params]
+    beams = [_count(p.get("beam_width"), "sampling_params.beam_width") or 1 for p in params]
+    if beams and beams[0] > 1:
         return 1
-    return max((_count(p.get("n")) or 1 for p in params if isinstance(p, dict)), default=1)
+    return max(ns, default=1)
+
+
+def check_counts(body: dict, endpoint: str) -> None:
+    """``n``, ``best_of`` (and ``beam_width``) plain integers; ValueError naming the field."""
+    samples(body, endpoint)
+    if endpoint == "v1/completions":
+        _count(body.get("best_of"), "best_of")
 
 
 def refusal(body: dict, endpoint: str, pd: bool) -> Optional[str]:
     """Why the request is refused (answered 400 with this message), or None.
 
     ``pd``: the request goes through prefill/decode disaggregation (no ``n > 1``)."""
-    n = samples(body, endpoint)
-    best_of = _count(body.get("best_of")) if endpoint == "v1/completions" else None
+    try:
+        n = samples(body, endpoint)
+        best_of = _count(body.get("best_of"), "best_of") if endpoint == "v1/completions" else None
+    except ValueError as e:
+        return str(e)
     if best_of is not None and best_of < n:
         return f"best_of ({best_of}) must be greater than or equal to n ({n})"
     if best_of is not None and best_of > n:

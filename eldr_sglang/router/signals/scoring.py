@@ -29,17 +29,17 @@ import time
 from typing import Any, Optional, Sequence
 
 import numpy as np
-import orjson
 from aiohttp import web
 from prometheus_client import Counter
 
 from eldr_sglang.core.policies import Decision, Policy, RouteRequest
 from eldr_sglang.prompts import Tokenizer, request_token_ids
-from eldr_sglang.router.http.bodies import BodyError, read_body
+from eldr_sglang.router.http.bodies import BodyError, BodyParser, read_body
+from eldr_sglang.router.http.prompt_view import prompt_view
 from eldr_sglang.router.http.responses import error_response, json_response
+from eldr_sglang.router.signals.prompt_work import PromptWork
 from eldr_sglang.router.signals.signatures import combine, union
 
-ENDPOINTS = ("generate", "v1/completions", "v1/chat/completions")
 # which path each request took: predicted (routed by its predicted signature), fallback
 # (the policy wanted a signature, the prompt gave none: no predictor, no tokens), blind
 # (the policy routes without one)
@@ -67,6 +67,14 @@ class PredictedRouting:
     def token_ids(self, body: dict, endpoint: str) -> list[list[int]]:
         """Token ids per item; ValueError for a malformed body (answered 400)."""
         return request_token_ids(body, endpoint, self.tokenizer)
+
+    def predict(self, view: dict, endpoint: str) -> tuple[Optional[RouteRequest], dict]:
+        """A bounded view (:func:`~eldr_sglang.router.http.prompt_view.bounded_view`) ->
+        (RouteRequest, facts), or (None, {}) when it has no prompt (``input_embeds``);
+        ValueError when it cannot be tokenised. Runs on the prompt thread."""
+        items = self.token_ids(view, endpoint) if any(
+            k in view for k in ("text", "input_ids", "prompt", "messages")) else []
+        return self.route(items) if items else (None, {})
 
     def route(self, items: Sequence[Sequence[int]], label: Optional[str] = None) -> tuple[RouteRequest, dict]:
         """(RouteRequest with predicted signature and activation, facts for the caller)."""
@@ -99,37 +107,37 @@ class ScoreEndpoint:
 
     ``routing()`` -> the live :class:`PredictedRouting`, ``policy()`` the live policy
     (both read per request: a reload may swap them); ``servers()`` -> URLs in policy
-    order, ``loads()`` -> their loads."""
+    order, ``loads()`` -> their loads. The body goes the co-located flow's way: read
+    under the cap, viewed off the loop when big (:func:`prompt_view`), the prompt work
+    on the bounded prompt thread (``work``)."""
 
-    def __init__(self, routing, policy, servers, loads, counter: Counter, *,
-                 body_limit: int = 32 << 20, body_timeout: Optional[float] = None) -> None:
+    def __init__(self, routing, policy, servers, loads, counter: Counter, *, parser: BodyParser,
+                 work: PromptWork, max_batch: int, body_limit: int = 32 << 20,
+                 body_timeout: Optional[float] = None, retry_after: Optional[int] = None) -> None:
         self.routing, self.policy, self.servers, self.loads = routing, policy, servers, loads
         self.counter = counter
-        self.body_limit, self.body_timeout = body_limit, body_timeout
+        self.parser, self.work, self.max_batch = parser, work, max_batch
+        self.body_limit, self.body_timeout, self.retry_after = body_limit, body_timeout, retry_after
 
     async def handle(self, request: web.Request) -> web.Response:
         t0 = time.perf_counter()
         try:
-            body = orjson.loads(await read_body(request, self.body_limit, self.body_timeout))
+            raw = await read_body(request, self.body_limit, self.body_timeout)
+            out = await self.parser.run(prompt_view, raw, None, self.max_batch)
+            if out[0] == "error":
+                return error_response(out[1], out[2])
+            _, view, endpoint = out
+            predicted = self.routing()
+            route, facts = await self.work.run(predicted.predict, view, endpoint)
         except BodyError as e:
-            return error_response(e.status, str(e))
-        except orjson.JSONDecodeError as e:
-            return error_response(400, f"invalid JSON body: {e}")
-        if not isinstance(body, dict):
-            return error_response(400, "request body must be a JSON object")
-        endpoint = str(body.pop("endpoint", "") or ("v1/chat/completions" if "messages" in body else
-                                                   "v1/completions" if "prompt" in body else "generate"))
-        if endpoint.lstrip("/") not in ENDPOINTS:
-            return error_response(400, f"'endpoint' must be one of {', '.join(ENDPOINTS)}")
-        predicted = self.routing()
-        try:
-            items = predicted.token_ids(body, endpoint.lstrip("/"))
+            return error_response(e.status, str(e), self.retry_after if e.status == 503 else None)
         except ValueError as e:
             return error_response(400, str(e))
         if not predicted.can_predict:
             return error_response(409, "the calibration artifact has no signature predictor "
                                   "(calibrate with --predictor-prompts)")
-        route, facts = predicted.route(items)
+        if route is None:
+            return error_response(400, "the request has no prompt to score")
         policy = self.policy()
         urls = self.servers()
         dec, path = decide(policy, route, self.loads())
