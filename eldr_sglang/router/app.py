@@ -81,6 +81,8 @@ class Router(RouterShell):
                                       stream_idle=c.signature_stream_idle,
                                       line_timeout=c.signature_line_timeout)
         self._warn_open_intake(c)
+        ready = self.info.readiness  # /ready says when ELDR is degraded (still 200: served by load)
+        self.info.readiness = lambda: {**ready(), "eldr": self._eldr_health()}
         log = self.intake.log  # one rate-limited warning log for the intake and the flow
         self.online = (OnlineController(c, m, state, self.runtime.spawn, log) if c.online else None)
         self.admin.online = self.online
@@ -115,6 +117,10 @@ class Router(RouterShell):
                            "on routers and engines, or keep the intake on a network only the "
                            "engines reach", where)
 
+    def _eldr_health(self) -> dict:
+        h = self.intake.health.describe()
+        return {"degraded": h["degraded"], "causes": h["causes"]}
+
     def _observe(self, msg: dict) -> None:
         """Every well-formed signature message: online calibration and shadow decisions."""
         if self.online is not None:
@@ -148,6 +154,7 @@ class Router(RouterShell):
     def flow_status(self) -> dict:
         return {"signature_timeout": self.wait_limit.value,
                 "signature_port": self.intake.port, "signature_streams": len(self.intake.streams),
+                "signature_intake": self.intake.describe(),
                 "return_address": self.runtime.return_address,
                 "shadow_policy": self.shadow.spec.name if self.shadow else None,
                 "signature_buffer": {"buffered": len(self.board.buffer),

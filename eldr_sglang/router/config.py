@@ -263,6 +263,11 @@ class RouterConfig:
                              "fits and writes it, the others follow it)")
         if self.workers > 1 and self.port == 0:
             raise ValueError("workers: several processes need a fixed --port to share")
+        if self.workers > 1 and self.mode == "pd" and self.signature_port is None:
+            raise ValueError(f"signature_port: --workers {self.workers} needs it: on the shared --port "
+                             "a POST /eldr/signature reaches any process, not the one waiting for "
+                             "its request; add --signature-port PORT (process i takes PORT + i; 0: "
+                             "any free port), which each request names as its return address")
 
     def _check_policies(self) -> None:
         from eldr_sglang.core.policies import policy_names

@@ -24,19 +24,26 @@ Every message must be fresh: its ``ts`` (stamped by the sender inside the MAC) w
 (:class:`SeenRooms`); a replay or a stale message is refused and counted before it
 reaches the board or the online window. With a key, a message without ``ts`` too.
 
-The TCP stream (:class:`SignatureStream`) is bounded like the client port: at most
-``max_streams`` connections (more are closed at once, so this port never takes the
-file descriptors client connections need), an idle limit, a time limit on each line
-once started, a byte cap per line and on all partial lines together; with a key, a
-line whose start is not a MAC prefix is dropped as it arrives, never buffered.
+A refused message that passed authentication (its MAC checks, or no key is set) names
+its room truthfully: a request waiting for that room is woken at once and falls back
+with the reason (``stale``, ``unstamped``), instead of waiting out its signature
+timeout. A message whose MAC fails is never trusted to name a room: its request keeps
+waiting. Refusals are kept for operators (:class:`~.intake_state.IntakeHealth`:
+``/eldr/status`` ``signature_intake``, the ``eldr`` field of ``/ready``).
+
+The TCP stream (:mod:`~.stream`) is bounded like the client port: at most
+``max_streams`` connections (so this port never takes the file descriptors client
+connections need), an idle limit, a time limit on each line once started, a byte cap
+per line and on all partial lines together; with a key, a line whose start is not a
+MAC prefix is dropped as it arrives, never buffered. Connections that have not proven
+themselves (a valid MAC) give way to newcomers and to proven connections' lines, and
+are closed after ``auth_grace`` seconds (``stream.AUTH_GRACE_S``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
-import re
 import resource
 import time
 from typing import Any, Callable, Optional
@@ -49,41 +56,14 @@ from eldr_sglang.router.http.clients import bearer_matches
 from eldr_sglang.router.metrics import RouterMetrics
 from eldr_sglang.core import wire
 from eldr_sglang.core.wire import parse_message, preparse
+from eldr_sglang.router.signals.intake_state import IntakeHealth, SeenRooms
 from eldr_sglang.router.signals.signatures import SignatureBoard, SignatureEncoder, SignatureError
+from eldr_sglang.router.signals.stream import AUTH_GRACE_S, SignatureStream, StreamGate
 
 logger = logging.getLogger("eldr_sglang.router")
 LOG_EVERY = 10.0
 OFF_LOOP_BYTES = 64 << 10  # signature bodies and lines this large are parsed off the loop
-SEEN_ROOMS = 1 << 17  # bootstrap rooms remembered for replay detection (~13 MB)
 STREAM_BUFFER_BYTES = 64 << 20  # partial lines buffered over all stream connections
-_MAC_RE = re.compile(rb"sha256=[0-9a-fA-F]{64}")
-_MAC_LEN = len(wire.MAC_PREFIX) + 64
-
-
-class SeenRooms:
-    """Bootstrap rooms of the messages taken in the last ``horizon`` seconds (at most
-    ``cap``, the oldest forgotten first, counted in ``evicted``)."""
-
-    def __init__(self, horizon: float, cap: int = SEEN_ROOMS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.horizon, self.cap, self.clock = horizon, cap, clock
-        self.rooms: "collections.OrderedDict[int, float]" = collections.OrderedDict()
-        self.evicted = 0
-
-    def add(self, room: int) -> bool:
-        """Remember ``room``; False when it was seen already (a replay)."""
-        now, rooms = self.clock(), self.rooms
-        while rooms:
-            first, t = next(iter(rooms.items()))
-            fresh = now - t < self.horizon
-            if fresh and len(rooms) < self.cap:
-                break
-            rooms.popitem(last=False)
-            self.evicted += fresh
-        if room in rooms:
-            return False
-        rooms[room] = now
-        return True
 
 
 class RateLimitedLog:
@@ -113,17 +93,19 @@ class SignatureIntake:
                  parser: Optional[BodyParser] = None, body_timeout: Optional[float] = None,
                  key: Optional[bytes] = None, api_key: Optional[str] = None,
                  max_age: float = 60.0, max_streams: int = 256, stream_idle: Optional[float] = 300.0,
-                 line_timeout: Optional[float] = 10.0,
+                 line_timeout: Optional[float] = 10.0, auth_grace: Optional[float] = AUTH_GRACE_S,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.board, self.metrics, self.max_bytes = board, metrics, max_bytes
         self._delivered, self._unclaimed = (metrics.signatures.labels("delivered"),
                                             metrics.signatures.labels("unclaimed"))
         self.max_age, self.wall_clock = max_age, wall_clock
-        # a replayed message passes the age check for at most 2 x max_age after the first
-        self.seen = SeenRooms(2 * max_age)
-        self.max_streams = min(max_streams, max(8, (_nofile() - 64) // 8))
+        # a room is remembered while its message could pass the age check, on the same clock
+        self.seen = SeenRooms(max_age, clock=lambda: self.wall_clock())
+        self.health = IntakeHealth(max_age)
         self.stream_idle, self.line_timeout = stream_idle, line_timeout
+        self.gate = StreamGate(self, min(max_streams, max(8, (_nofile() - 64) // 8)), auth_grace)
         self.partial_bytes = 0  # partial lines buffered by all stream connections
+        self.buffer_budget = STREAM_BUFFER_BYTES
         # shared signing key: messages without its HMAC are refused; without one, the
         # client API key stands in (as a Bearer token on HTTP, or as the HMAC key)
         self.bearer = api_key if key is None and api_key else None
@@ -134,16 +116,37 @@ class SignatureIntake:
         self.buffering = buffering  # whether unclaimed messages are worth keeping
         self.observer = observer  # sees every well-formed message (online calibration)
         self.log = RateLimitedLog()
-        self.streams: set[SignatureStream] = set()
         self.tasks: set[asyncio.Task] = set()  # the streams' line handlers
         self.server: Optional[asyncio.AbstractServer] = None
         self.port: Optional[int] = None
 
+    @property
+    def streams(self) -> set[SignatureStream]:
+        return self.gate.streams
+
+    @property
+    def max_streams(self) -> int:
+        return self.gate.max_streams
+
+    def describe(self) -> dict:
+        """``/eldr/status`` ``signature_intake``: refusals, woken requests, skew, streams, rooms."""
+        return {**self.health.describe(), "streams": self.gate.describe(),
+                "partial_bytes": self.partial_bytes, "replay_rooms": self.seen.describe()}
+
     # ------------------------------------------------------------ validation
-    def refused(self, kind: str, detail: str, peer: Any = None, n: int = 1) -> None:
+    def refused(self, kind: str, detail: str, peer: Any = None, n: int = 1,
+                skew: Optional[float] = None, count_error: bool = True) -> None:
         self.metrics.signatures.labels("invalid").inc(n)
-        self.metrics.errors.labels(f"signature_{kind}").inc(n)
+        if count_error:
+            self.metrics.errors.labels(f"signature_{kind}").inc(n)
+        self.health.note(kind, n, skew)
         self.log.warn(kind, "signature message refused (%s) from %s: %s", kind, peer or "?", detail)
+
+    def auth_refused(self, reason: str, peer: Any, detail: str) -> None:
+        self.metrics.signature_auth_refused.labels(reason).inc()
+        self.health.note(reason)
+        self.log.warn(f"auth_{reason}", "signature message refused (%s) from %s: %s", reason,
+                      peer or "?", detail)
 
     def authentic(self, data: bytes, given: Optional[bytes | str], peer: Any = None) -> Optional[str]:
         """None if ``data`` may be parsed (no key, or its MAC checks), else why not
@@ -152,9 +155,8 @@ class SignatureIntake:
             return None
         reason = "unsigned" if given is None else None if wire.verify(self.key, data, given) else "bad_mac"
         if reason is not None:
-            self.metrics.signature_auth_refused.labels(reason).inc()
-            self.log.warn(f"auth_{reason}", "signature message refused (%s) from %s: %s", reason,
-                          peer or "?", "no HMAC" if reason == "unsigned" else "HMAC does not match the key")
+            self.auth_refused(reason, peer, "no HMAC" if reason == "unsigned" else
+                              "HMAC does not match the key")
         return reason
 
     def fresh(self, msg: dict) -> None:
@@ -165,17 +167,30 @@ class SignatureIntake:
                 raise SignatureError("unstamped", f"signed messages must carry '{wire.TS_FIELD}' "
                                      "(the sender's clock, inside the MAC)")
         else:
-            skew = self.wall_clock() - ts
+            skew = ts - self.wall_clock()  # the sender's clock minus this router's
             if abs(skew) > self.max_age:
-                raise SignatureError("stale", f"'{wire.TS_FIELD}' is {abs(skew):.0f} s "
-                                     f"{'old' if skew > 0 else 'ahead'}; at most {self.max_age:g} s "
-                                     "(--signature-max-age)")
-        if not self.seen.add(msg["bootstrap_room"]):
+                e = SignatureError("stale", f"{IntakeHealth.skew_words(skew)}: '{wire.TS_FIELD}' "
+                                   f"is {abs(skew):.0f} s {'ahead' if skew > 0 else 'old'}; at most "
+                                   f"{self.max_age:g} s (--signature-max-age); sync the clocks (NTP)")
+                e.skew = skew
+                raise e
+        if not self.seen.add(msg["bootstrap_room"], ts):
             raise SignatureError("replay", f"a message for bootstrap room {msg['bootstrap_room']} "
                                  "was taken already (replayed)")
 
+    def _wake(self, msg: dict, e: SignatureError, enc: Any) -> bool:
+        """Wake the request waiting for the room of an authenticated but refused message
+        (it falls back at once, with the reason); True if one was waiting. Replays never:
+        their room's message was taken already."""
+        if e.reason == "replay" or not self.board.refuse(msg["bootstrap_room"], e.reason, str(e),
+                                                         msg.get("layers")):
+            return False
+        self.health.woken[e.reason] += 1
+        return enc is not None  # the dispatch counts errors{signature_<reason>} for it
+
     def accept(self, data: Any, peer: Any = None) -> tuple[int, int, list[str]]:
-        """Validate and deliver one message or a list; (delivered, buffered, errors)."""
+        """Validate and deliver one message or a list (authenticated already); (delivered,
+        buffered, errors)."""
         msgs = data if isinstance(data, list) else [data]
         delivered = buffered = 0
         errors = []
@@ -194,7 +209,8 @@ class SignatureIntake:
                     enc.check(m)  # a waiting request gets it anyway: it falls back, with the reason
             except SignatureError as e:
                 errors.append(str(e))
-                self.refused(e.reason, str(e), peer)
+                counted = self._wake(m, e, enc)
+                self.refused(e.reason, str(e), peer, skew=getattr(e, "skew", None), count_error=not counted)
                 continue
             except ValueError as e:
                 errors.append(str(e))
@@ -247,17 +263,23 @@ class SignatureIntake:
                     self.max_streams)
         return self.port
 
-    async def line(self, line: bytes, peer: Any) -> None:
-        """One complete stream line: MAC, parse (off the loop when big), deliver."""
+    async def line(self, line: bytes, stream: Optional[SignatureStream] = None) -> None:
+        """One complete stream line: MAC, parse (off the loop when big), deliver. A line
+        whose MAC checks (without a key: one taken) proves its connection."""
+        peer = stream.peer if stream is not None else None
         given, body = wire.split_line(line)
         if not body or self.authentic(body, given, peer) is not None:
             return
+        if stream is not None and self.key is not None:
+            stream.prove()
         try:
             data = await self.parser.run(preparse, body, off_loop_bytes=OFF_LOOP_BYTES)
         except orjson.JSONDecodeError as e:
             self.refused("bad_json", str(e), peer)
             return
-        self.accept(data, peer)
+        delivered, buffered, _ = self.accept(data, peer)
+        if stream is not None and delivered + buffered:
+            stream.prove()
 
     async def close(self) -> None:
         if self.server is not None:
@@ -267,184 +289,6 @@ class SignatureIntake:
             for t in list(self.tasks):
                 t.cancel()
             await self.server.wait_closed()
-
-
-class SignatureStream(asyncio.Protocol):
-    """One ``--signature-port`` connection: newline-delimited messages, nothing answered.
-
-    A bad line is counted and logged (rate-limited); a line over the byte cap, a line
-    not finished within ``line_timeout``, silence for ``stream_idle`` or partial lines
-    over ``STREAM_BUFFER_BYTES`` on all connections close it. With a key, a line that
-    does not start with a MAC prefix is counted at once and the rest of it dropped as
-    it arrives (the connection stays). Complete lines are handled in order by one task;
-    reading pauses while more than a line's cap of them wait."""
-
-    def __init__(self, intake: SignatureIntake) -> None:
-        self.intake = intake
-        self.transport: Optional[asyncio.Transport] = None
-        self.peer: Any = None
-        self.buf = bytearray()  # the line so far (counted in intake.partial_bytes)
-        self.checked = False  # this line's MAC prefix was looked at
-        self.dropping = False  # the rest of a refused line is dropped as it arrives
-        self.line_started = 0.0  # loop time of this line's first byte (0: none pending)
-        self.last = 0.0  # loop time of the last bytes
-        self.lines: collections.deque[bytes] = collections.deque()
-        self.queued = 0  # bytes in self.lines
-        self.paused = False
-        self.wakeup: Optional[asyncio.Future] = None
-        self.task: Optional[asyncio.Task] = None
-        self.timer: Optional[asyncio.TimerHandle] = None
-        self.closed = False
-
-    # ------------------------------------------------------------ connection
-    def connection_made(self, transport) -> None:
-        it = self.intake
-        self.peer = transport.get_extra_info("peername")
-        if len(it.streams) >= it.max_streams:
-            it.metrics.errors.labels("signature_streams_full").inc()
-            it.log.warn("streams_full", "signature stream from %s refused: %d connections "
-                        "open (--signature-max-streams)", self.peer, len(it.streams))
-            transport.abort()
-            return
-        self.transport = transport
-        it.streams.add(self)
-        it.metrics.event("signature_streams")
-        loop = asyncio.get_running_loop()
-        self.last = loop.time()
-        self.task = loop.create_task(self._consume())
-        it.tasks.add(self.task)
-        self.task.add_done_callback(it.tasks.discard)
-        self._arm()
-
-    def connection_lost(self, exc: Optional[BaseException]) -> None:
-        if self.transport is None:
-            return  # refused at the door
-        self.closed = True
-        self.intake.streams.discard(self)
-        self._clear()
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        self._wake()  # the lines that came whole before the end are still handled
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-
-    def abort(self, kind: Optional[str] = None, detail: str = "") -> None:
-        if kind is not None:
-            self.intake.refused(kind, detail, self.peer)
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.abort()
-
-    # ------------------------------------------------------------ timers
-    def _arm(self) -> None:
-        it = self.intake
-        limits = [x for x in (it.stream_idle, it.line_timeout) if x]
-        if limits:
-            self.timer = asyncio.get_running_loop().call_later(min(limits), self._check)
-
-    def _check(self) -> None:
-        self.timer = None
-        it, now = self.intake, asyncio.get_running_loop().time()
-        if self.line_started and it.line_timeout and now - self.line_started >= it.line_timeout:
-            self.abort("line_timeout", f"a line not finished within {it.line_timeout:g} s; closing")
-            return
-        if (it.stream_idle and now - self.last >= it.stream_idle and not self.lines
-                and not self.line_started):
-            it.metrics.event("signature_streams_idle_closed")
-            self.abort()
-            return
-        self._arm()
-
-    # ------------------------------------------------------------ reading
-    def _clear(self) -> None:
-        self.intake.partial_bytes -= len(self.buf)
-        self.buf = bytearray()
-        self.checked = self.dropping = False
-        self.line_started = 0.0
-
-    def _prefix(self) -> Optional[str]:
-        """With a key: None while the line may be signed, else why not (looked at once
-        the line has enough bytes for a MAC prefix, or is complete)."""
-        head = bytes(self.buf[:_MAC_LEN + 16]).lstrip()
-        if not head.startswith(wire.MAC_PREFIX[:len(head)]):
-            return "unsigned"
-        if len(head) < _MAC_LEN:
-            return None
-        self.checked = True
-        return None if _MAC_RE.match(head) else "bad_mac"
-
-    def data_received(self, data: bytes) -> None:
-        it = self.intake
-        self.last = asyncio.get_running_loop().time()
-        start, n = 0, len(data)
-        while start < n:
-            nl = data.find(b"\n", start)
-            end = n if nl < 0 else nl + 1
-            if not self.line_started:
-                self.line_started = self.last
-            if not self.dropping:
-                self.buf += data[start:end]
-                it.partial_bytes += end - start
-                if len(self.buf) > it.max_bytes:
-                    self.abort("too_large", f"line over {it.max_bytes} bytes; closing")
-                    return
-                if it.partial_bytes > STREAM_BUFFER_BYTES:
-                    self.abort("stream_buffer", f"partial lines of all streams over "
-                               f"{STREAM_BUFFER_BYTES} bytes; closing the one adding to them")
-                    return
-                if it.key is not None and not self.checked and not self.buf.isspace():
-                    why = self._prefix()
-                    if why is not None:  # counted once, dropped as it comes
-                        it.metrics.signature_auth_refused.labels(why).inc()
-                        it.log.warn(f"auth_{why}", "signature message refused (%s) from %s: %s", why,
-                                    self.peer, "no HMAC" if why == "unsigned" else "malformed HMAC prefix")
-                        started = self.line_started
-                        self._clear()
-                        self.dropping, self.line_started = True, started  # still timed
-            start = end
-            if nl >= 0:  # the line is complete
-                line = bytes(self.buf)
-                self._clear()
-                if line and not line.isspace():
-                    self.lines.append(line)
-                    self.queued += len(line)
-                    self._wake()
-        if self.queued > it.max_bytes and not self.paused and self.transport is not None:
-            self.paused = True
-            self.transport.pause_reading()
-
-    def _wake(self) -> None:
-        w, self.wakeup = self.wakeup, None
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    async def _consume(self) -> None:
-        handled = 0
-        while True:
-            handled += 1
-            if handled % 16 == 0:
-                await asyncio.sleep(0)  # small lines are handled without a pause: let others run
-            if not self.lines:
-                if self.closed:
-                    return
-                self.wakeup = asyncio.get_running_loop().create_future()
-                await self.wakeup
-                continue
-            line = self.lines.popleft()
-            self.queued -= len(line)
-            try:
-                await self.intake.line(line, self.peer)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - a bad line must not end the stream's task silently
-                logger.exception("signature stream line from %s", self.peer)
-            self.last = asyncio.get_running_loop().time()
-            if self.paused and self.queued <= self.intake.max_bytes // 2:
-                self.paused = False
-                if not self.closed:
-                    self.transport.resume_reading()
 
 
 def _nofile() -> int:

@@ -20,6 +20,8 @@ from eldr_sglang.core.artifact import DEFAULT_TAU
 from eldr_sglang.core.signature import COUNT_VARIANTS
 from eldr_sglang.core.wire import message_bytes, parse_message  # noqa: F401 (parse_message: tests)
 
+REFUSED = "refused"  # a waiter's result that stands for a refused message: its reason
+
 
 class SignatureError(ValueError):
     """A message that cannot be turned into a signature; ``reason`` is a metric label."""
@@ -99,6 +101,17 @@ class SignatureBoard:
             self.sweep()
         return False
 
+    def refuse(self, room: int, reason: str, detail: str, layers: Any = None) -> bool:
+        """A message for ``room`` was refused (authenticated, so it names the room
+        truthfully): its waiter, if still waiting, gets a stand-in that the encoder
+        refuses with ``reason`` (its request falls back at once). True if it had one."""
+        fut = self.waiters.get(room)
+        if fut is None or fut.done():
+            return False
+        fut.set_result({"bootstrap_room": room, "layers": layers if isinstance(layers, list) else None,
+                        REFUSED: reason, "detail": detail})
+        return True
+
     def discard(self, room: int) -> None:
         fut = self.waiters.pop(room, None)
         if fut is not None and not fut.done():
@@ -163,7 +176,10 @@ class SignatureEncoder:
                      if self._variant == "idf" else None)
 
     def check(self, msg: dict) -> None:
-        """SignatureError unless the message's layers and counts shape fit the artifact."""
+        """SignatureError unless the message's layers and counts shape fit the artifact
+        (a refused message's stand-in: its reason)."""
+        if REFUSED in msg:
+            raise SignatureError(msg[REFUSED], msg.get("detail") or msg[REFUSED])
         if msg["layers"] != self.layers:
             raise SignatureError(
                 "layer_mismatch", f"message layers {msg['layers']} != artifact {self.layers}")
@@ -223,16 +239,21 @@ def combine(vectors: list[np.ndarray]) -> Optional[np.ndarray]:
     return s / n if n > 1e-12 else vectors[0]
 
 
-def activation(msg: dict) -> np.ndarray:
+def activation(msg: dict) -> Optional[np.ndarray]:
     """[n_sel * E] probability of each expert in one decode step of the request: its
-    prefill counts / prompt tokens (a token routes to top-k distinct experts)."""
+    prefill counts / prompt tokens (a token routes to top-k distinct experts); None for
+    a refused message's stand-in."""
+    if REFUSED in msg:
+        return None
     counts = np.asarray(msg["counts"])
     tokens = max(float(msg.get("prompt_tokens") or 0), float(counts.max(initial=0)), 1.0)
     return np.multiply(counts.reshape(-1), np.float32(1.0 / tokens), dtype=np.float32, casting="unsafe")
 
 
 def union(activations: list[np.ndarray]) -> Optional[np.ndarray]:
-    """A batch's activation: an expert is used if any item uses it (independent items)."""
+    """A batch's activation: an expert is used if any item uses it (independent items);
+    items without one (None) are left out."""
+    activations = [a for a in activations if a is not None]
     if not activations:
         return None
     if len(activations) == 1:
