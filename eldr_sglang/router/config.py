@@ -40,13 +40,12 @@ class RouterConfig:
     # routing
     policy: str = _opt("decode-routing policy (see --help for the names)", "eldr_balanced")
     calibration: Optional[str] = _opt("calibration artifact (needed by artifact policies)")
-    tau: Optional[float] = _opt("locality band; default: the artifact's tau (0 included)")
+    tau: Optional[float] = _opt("the eldr policy's tau parameter (an alias of --policy-param tau=...); "
+                                "default: the artifact's tau (0 included)")
     policy_param: tuple[str, ...] = _opt(
-        "a parameter of the policy as NAME=VALUE; repeat. eldr_balanced: load_cap, load_slack, cost_band, "
-        "cost_band_full, sim_band, sim_band_full (sim_band=none, the default: the cost-band rule; a number: the locality pick), "
-        "and the step-time law base_s, per_seq_s, per_expert_s, max_batch; state_aware: the step-time "
-        "law; eldr: tau. In a config file, a mapping of NAME: VALUE or a list of NAME=VALUE", (),
-        repeat=True)
+        "a parameter of the policy as NAME=VALUE; repeat (each policy's parameters and defaults: --help, "
+        "or python -m tools.policy_table). In a config file, a mapping of NAME: VALUE or a list of NAME=VALUE",
+        (), repeat=True)
     domain_map: Optional[str] = _opt("JSON (inline or file): label -> [decode index or URL, ...]")
     label_field: Optional[str] = _opt("body field holding the request label (removed before forwarding)")
     label_header: Optional[str] = _opt("HTTP header holding the request label")
@@ -242,8 +241,10 @@ class RouterConfig:
         for name in non_negative:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: expected a number >= 0, got {getattr(self, name)!r}")
-        if self.tau is not None and not self.tau >= 0:
-            raise ValueError(f"tau: expected a number >= 0, got {self.tau!r}")
+        if self.tau is not None:  # checked where the eldr policy declares it
+            from eldr_sglang.core.policies.eldr import EldrParams
+
+            EldrParams(self.tau)
         for name in ("port", "signature_port"):
             v = getattr(self, name)
             if v is not None and not 0 <= v <= 65535:
