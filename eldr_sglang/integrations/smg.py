@@ -193,7 +193,7 @@ class SmgPreRouter(PreRouter):
 
     # ------------------------------------------------------------------ evidence
     async def _gauge(self) -> Optional[dict[str, float]]:
-        async with self.session.get(self.metrics_url, headers=self.api_headers) as r:
+        async with self.session.get(self.metrics_url) as r:
             found = parse_keys_active(await r.text())
         if found is None and self.learning["gauge"] is not False:
             logger.warning("smg: %s has no %s: keys can be neither learned nor verified (SMG 0.3.2 "

@@ -165,3 +165,15 @@ async def test_control_plane_token():
         await until(lambda: len(pre.keys) == 2, 30, "workers listed with the token and keys learned")
         served, pinned, path = await send(http, aurl, 1)
         assert path == "pinned" and served == "d1"
+
+
+def test_cli_takes_tokens_from_the_environment(monkeypatch):
+    from eldr_sglang.integrations.__main__ import build, parse_args
+
+    monkeypatch.setenv("ELDR_HOST_CONTROL_TOKEN", "ctl")
+    monkeypatch.setenv("ELDR_HOST_API_KEY", "data")
+    monkeypatch.setenv("ELDR_SCORER_API_KEY", "score")
+    pre = build(parse_args(["smg", "--host-url", "http://127.0.0.1:1", "--scorer-url", "http://127.0.0.1:2",
+                            "--metrics-url", "http://127.0.0.1:3/metrics"]))
+    assert pre.control_headers == {"Authorization": "Bearer ctl"} and pre.api_headers == {"Authorization": "Bearer data"}
+    assert pre.scorer.headers["Authorization"] == "Bearer score"
