@@ -14,6 +14,10 @@ price a server's live batch from their own requests only; "engine" replicas are 
 told every server's true batch with each poll (the engines' ``/eldr/batch`` read with
 the load poll, ``--engine-metrics``). ``--oracle`` adds the earlier, optimistic model:
 "engine" replicas that see every server's true in-flight count at every decision.
+``--reckon`` adds "reckon" replicas: "engine" replicas that count their own net change
+since the poll R times (R replicas share the traffic, so each expects the others to
+have started about as many requests as itself): a candidate remedy of the router's
+load view, not what the router does.
 
 Reported per workload and rate, over seeds (mean, and the standard error of the paired
 differences): median and P99 TPOT gain over JSQ (one router, the better balancer at
@@ -56,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds between a replica's load polls (the router's --load-interval)")
     ap.add_argument("--oracle", action="store_true",
                     help="also run replicas that see the true in-flight counts at every decision")
+    ap.add_argument("--reckon", action="store_true",
+                    help="also run replicas that count their own change since the poll R times (a candidate remedy)")
+    ap.add_argument("--replicas", default=None, help="comma-separated replica counts (default 2,4)")
     ap.add_argument("--cost", default="qwen3-30b-a3b-mi300x")
     ap.add_argument("--traces-root", type=Path, default=HERE / "traces")
     ap.add_argument("--work-dir", type=Path, default=ROOT / ".cache" / "bench_state_aware",
@@ -77,8 +84,8 @@ class PolledReplica:
     policy on its polls only, and only when ``engine`` (else the policy prices its own
     requests alone)."""
 
-    def __init__(self, policy, k: int, phase: int, engine: bool):
-        self.policy, self.engine, self.phase = policy, engine, phase
+    def __init__(self, policy, k: int, phase: int, engine: bool, reckon: int = 1):
+        self.policy, self.engine, self.phase, self.reckon = policy, engine, phase, reckon
         self.own = [0] * k
         self.reported: list[int] | None = None
         self.own_at_poll = [0] * k
@@ -91,7 +98,8 @@ class PolledReplica:
     def view(self) -> list[int]:
         if self.reported is None:
             return list(self.own)
-        return [max(o, r + o - a) for o, r, a in zip(self.own, self.reported, self.own_at_poll)]
+        m = self.reckon
+        return [max(o, r + m * (o - a)) for o, r, a in zip(self.own, self.reported, self.own_at_poll)]
 
     def choose(self, request, loads, allowed=None) -> int:
         self.loads = loads
@@ -133,7 +141,8 @@ def run(data, routing, acts, cfg: SimConfig, variant: str, replicas: int, poll: 
             res = simulate(data.sim, pols, cfg, routing.eldr_signatures, activations=acts, engine_report_s=poll)
         else:
             phases = np.random.default_rng([cfg.seed, 0xB011]).integers(0, TICKS, replicas)
-            wrapped = [PolledReplica(p, k, int(ph), variant == "engine") for p, ph in zip(pols, phases)]
+            wrapped = [PolledReplica(p, k, int(ph), variant in ("engine", "reckon"),
+                                     replicas if variant == "reckon" else 1) for p, ph in zip(pols, phases)]
             res = simulate(data.sim, wrapped, cfg, routing.eldr_signatures, activations=acts,
                            engine_report_s=poll / TICKS)
     return {"median": float(res.summary["tpot_median_ms"]), "p99": float(res.summary["tpot_p99_ms"])}
@@ -147,11 +156,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.rates:
         g["rates"] = tuple(float(x) for x in a.rates.split(","))
     g["poll_s"] = a.poll
+    if a.replicas:
+        g["replicas"] = tuple(int(x) for x in a.replicas.split(","))
     a.json = a.json or (QUICK_OUT / "replicas.json" if a.quick else HERE / "results" / "replicas.json")
     sweep = experiments.FULL
     base = SimConfig(num_prefill=max(8, g["k"] * 3 // 2), num_decode=g["k"], warmup_s=g["warmup_s"],
                      measure_s=g["measure_s"], cost=a.cost)
-    variants = ("own", "engine") + (("oracle",) if a.oracle else ())
+    variants = ("own", "engine") + (("oracle",) if a.oracle else ()) + (("reckon",) if a.reckon else ())
     rows = []
     for wl in a.workloads.split(","):
         data = experiments.load_workload(wl, a.traces_root, a.work_dir, sweep, 600.0, 300.0)
