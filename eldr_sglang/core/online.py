@@ -76,8 +76,12 @@ class OnlineSettings:
                 raise ValueError(f"online {name}: expected a number in (0, 1], got {getattr(self, name)!r}")
         if self.variant not in COUNT_VARIANTS:
             raise ValueError(f"online variant: {self.variant!r} is not one of {COUNT_VARIANTS}")
-        if not (np.isfinite(self.tau) and self.tau >= 0):
-            raise ValueError(f"online tau: expected a number >= 0, got {self.tau!r}")
+        from eldr_sglang.core.policies.eldr import EldrParams  # tau's bounds: where eldr declares it
+
+        try:
+            EldrParams(float(self.tau))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"online {e}") from None
 
     @classmethod
     def names(cls) -> list[str]:
