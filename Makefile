@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 MODEL  ?= .cache/models/tiny-qwen3-moe
 PYTEST_ARGS ?=
 
-.PHONY: install model demo test test-fast clean corpus workloads traces dynamo
+.PHONY: install model demo test test-fast clean corpus workloads traces dynamo gpu-check
 
 install:            ## CPU venv: torch 2.13 CPU, sglang 0.5.23 (no CUDA tree), sglang-router, mooncake
 	@bash scripts/install_cpu.sh
@@ -35,6 +35,18 @@ traces: workloads   ## expert traces through a real SGLang server in trace mode 
 
 clean:
 	rm -rf .cache/test-logs .cache/demo
+
+GPU_PY ?=
+GPU_CHECK_OUT ?= gpu_check.json
+GPU_CHECK_ARGS ?=
+gpu-check:          ## the one GPU check (torch only, <= 10 min): the plugin's hooks in CUDA graphs, the MoE-layer microbenchmark; no GPU: a CPU dry run
+	@py="$(GPU_PY)"; if [ -z "$$py" ]; then \
+	  for c in $(PY) python3; do \
+	    if $$c -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then py=$$c; break; fi; \
+	  done; \
+	fi; \
+	py=$${py:-$(if $(wildcard $(PY)),$(PY),python3)}; \
+	$$py -m tools.gpu_check --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 .PHONY: bench
 BENCH_ARGS ?=

@@ -125,6 +125,19 @@ def time_graph(x, plan, weights, w13, w2, buf13, buf2, warmup: int, repeats: int
     return times
 
 
+def expert_weights(args: argparse.Namespace, device, dtype, gen):
+    """The experts' SwiGLU weights ``[E, 2 ffn, hidden]`` and ``[E, hidden, ffn]``, N(0, 0.02): drawn on
+    the host (CPU runs), or on the GPU itself (seconds, not a minute, at the Qwen3-235B-A22B shape)."""
+    import torch
+
+    shapes = ((args.experts, 2 * args.ffn, args.hidden), (args.experts, args.hidden, args.ffn))
+    if device.type != "cuda":
+        return tuple((torch.randn(shape, generator=gen) * 0.02).to(device, dtype) for shape in shapes)
+    on_gpu = torch.Generator(device=device).manual_seed(args.seed)
+    return tuple(torch.empty(shape, device=device, dtype=dtype).normal_(0.0, 0.02, generator=on_gpu)
+                 for shape in shapes)
+
+
 def measure(args: argparse.Namespace) -> dict:
     import torch
 
@@ -135,8 +148,7 @@ def measure(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(args.seed)
-    w13 = (torch.randn(args.experts, 2 * args.ffn, args.hidden, generator=gen) * 0.02).to(device, dtype)
-    w2 = (torch.randn(args.experts, args.hidden, args.ffn, generator=gen) * 0.02).to(device, dtype)
+    w13, w2 = expert_weights(args, device, dtype, gen)
     buf13, buf2 = torch.empty_like(w13), torch.empty_like(w2)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     graph = device.type == "cuda" and not args.no_graph
