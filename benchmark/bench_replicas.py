@@ -15,9 +15,9 @@ told every server's true batch with each poll (the engines' ``/eldr/batch`` read
 the load poll, ``--engine-metrics``). ``--oracle`` adds the earlier, optimistic model:
 "engine" replicas that see every server's true in-flight count at every decision.
 ``--reckon`` adds "reckon" replicas: "engine" replicas that count their own net change
-since the poll R times (R replicas share the traffic, so each expects the others to
-have started about as many requests as itself): a candidate remedy of the router's
-load view, not what the router does.
+since the poll ``1 + s (R - 1)`` times (``s = --reckon-share``, default 1: R replicas
+share the traffic, so each expects the others to have started about as many requests
+as itself): a candidate remedy of the router's load view, not what the router does.
 
 Reported per workload and rate, over seeds (mean, and the standard error of the paired
 differences): median and P99 TPOT gain over JSQ (one router, the better balancer at
@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also run replicas that see the true in-flight counts at every decision")
     ap.add_argument("--reckon", action="store_true",
                     help="also run replicas that count their own change since the poll R times (a candidate remedy)")
+    ap.add_argument("--reckon-share", type=float, default=1.0,
+                    help="reckon: the share of the other replicas' traffic assumed to match this one's")
     ap.add_argument("--replicas", default=None, help="comma-separated replica counts (default 2,4)")
     ap.add_argument("--cost", default="qwen3-30b-a3b-mi300x")
     ap.add_argument("--traces-root", type=Path, default=HERE / "traces")
@@ -84,7 +86,7 @@ class PolledReplica:
     policy on its polls only, and only when ``engine`` (else the policy prices its own
     requests alone)."""
 
-    def __init__(self, policy, k: int, phase: int, engine: bool, reckon: int = 1):
+    def __init__(self, policy, k: int, phase: int, engine: bool, reckon: float = 1.0):
         self.policy, self.engine, self.phase, self.reckon = policy, engine, phase, reckon
         self.own = [0] * k
         self.reported: list[int] | None = None
@@ -128,7 +130,8 @@ class PolledReplica:
                 observe(index, log_free)
 
 
-def run(data, routing, acts, cfg: SimConfig, variant: str, replicas: int, poll: float = REPORT_S) -> dict:
+def run(data, routing, acts, cfg: SimConfig, variant: str, replicas: int, poll: float = REPORT_S,
+        reckon_share: float = 1.0) -> dict:
     """Median and P99 TPOT (ms) of one SIMULATED run of ``variant``: "jsq" (one router), "own" /
     "engine" (replicas polling every ``poll`` s, see ``PolledReplica``), "oracle" (replicas told
     the true in-flight counts at every decision and the true batches every ``poll`` s)."""
@@ -142,7 +145,8 @@ def run(data, routing, acts, cfg: SimConfig, variant: str, replicas: int, poll: 
         else:
             phases = np.random.default_rng([cfg.seed, 0xB011]).integers(0, TICKS, replicas)
             wrapped = [PolledReplica(p, k, int(ph), variant in ("engine", "reckon"),
-                                     replicas if variant == "reckon" else 1) for p, ph in zip(pols, phases)]
+                                     1 + reckon_share * (replicas - 1) if variant == "reckon" else 1)
+                       for p, ph in zip(pols, phases)]
             res = simulate(data.sim, wrapped, cfg, routing.eldr_signatures, activations=acts,
                            engine_report_s=poll / TICKS)
     return {"median": float(res.summary["tpot_median_ms"]), "p99": float(res.summary["tpot_p99_ms"])}
@@ -156,6 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.rates:
         g["rates"] = tuple(float(x) for x in a.rates.split(","))
     g["poll_s"] = a.poll
+    if a.reckon:
+        g["reckon_share"] = a.reckon_share
     if a.replicas:
         g["replicas"] = tuple(int(x) for x in a.replicas.split(","))
     a.json = a.json or (QUICK_OUT / "replicas.json" if a.quick else HERE / "results" / "replicas.json")
@@ -176,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "x1": run(data, routing, acts, cfg, "own", 1, a.poll)}
                 for r in g["replicas"]:
                     for variant in variants:
-                        row[f"x{r}-{variant}"] = run(data, routing, acts, cfg, variant, r, a.poll)
+                        row[f"x{r}-{variant}"] = run(data, routing, acts, cfg, variant, r, a.poll, a.reckon_share)
                 rows.append(row)
                 print("  " + "  ".join(f"{k}={v['median']:.2f}/{v['p99']:.1f}" if isinstance(v, dict)
                                        else f"{k}={v}" for k, v in row.items()), flush=True)
