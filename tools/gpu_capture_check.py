@@ -13,6 +13,10 @@ expert SwiGLU GEMMs over the routed tokens).
 Sizes: an 8k-token extend over 48 layers with top-8 of 128 experts (4 published
 layers scattered to the KV-slot table) and a decode batch of 256 (every layer
 staged for decode statistics). Prints one line per check and a JSON summary.
+
+These are the staging primitives alone. ``python -m tools.gpu_check`` is the one
+check for a lent GPU: the plugin's hook functions themselves inside the graphs
+(DP row blocks, EPLB, decode statistics) and the MoE-layer microbenchmark.
 """
 
 from __future__ import annotations
