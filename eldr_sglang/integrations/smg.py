@@ -196,8 +196,8 @@ class SmgPreRouter(PreRouter):
         async with self.session.get(self.metrics_url) as r:
             found = parse_keys_active(await r.text())
         if found is None and self.learning["gauge"] is not False:
-            logger.warning("smg: %s has no %s: keys can be neither learned nor verified (SMG 0.3.2 "
-                           "exports it; is --metrics-url SMG's Prometheus endpoint?)", self.metrics_url, GAUGE)
+            logger.warning("smg: %s has no smg_ metrics: keys can be neither learned nor verified (is "
+                           "--metrics-url SMG's Prometheus endpoint? %s is read)", self.metrics_url, GAUGE)
         self.learning["gauge"] = found is not None
         return found
 

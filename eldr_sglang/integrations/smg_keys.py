@@ -30,17 +30,18 @@ _WORKER = re.compile(r'worker="([^"]*)"')
 
 
 def parse_keys_active(text: str) -> Optional[dict[str, float]]:
-    """Distinct keys in flight per worker URL; None when SMG exports no such gauge."""
+    """Distinct keys in flight per worker URL (a worker not listed: 0; SMG exports the
+    gauge only once a keyed request went through); None when the text is not SMG's."""
     out: dict[str, float] = {}
-    found = False
+    smg = False
     for line in text.splitlines():
+        smg = smg or line.startswith("smg_")
         m = _LINE.match(line)
         if m:
-            found = True
             w = _WORKER.search(m.group(1))
             if w:
                 out[w.group(1).rstrip("/")] = float(m.group(2))
-    return out if found else None
+    return out if smg else None
 
 
 @dataclass

@@ -9,7 +9,8 @@ What it models, each checked on the real 0.3.2 with stub workers:
   when SMG registers the worker, so new after every restart);
 * ``GET /metrics``: ``smg_worker_cb_outcomes_total{worker,outcome}`` (completions per
   worker) and ``smg_worker_routing_keys_active{worker}`` (distinct routing keys with a
-  request in flight there; unkeyed requests do not move it);
+  request in flight there; unkeyed requests do not move it; a worker's line appears once
+  a keyed request reached it), and ``smg_worker_pool_size``;
 * :meth:`restart`: keys forgotten, counters back to 0, new worker ids.
 
 Model knobs: ``serve_s`` (how long a request stays at its decode worker),
@@ -57,6 +58,7 @@ class FakeSmg:
         self.keys: dict[str, str] = {}
         self.outcomes: collections.Counter = collections.Counter()
         self.active: dict[str, collections.Counter] = {u: collections.Counter() for u in self.urls}
+        self.keyed: set[str] = set()
 
     def restart(self) -> None:
         """SMG restarted: keys, counters and worker ids are new (in-flight requests finish)."""
@@ -79,7 +81,9 @@ class FakeSmg:
         lines = [f'smg_worker_cb_outcomes_total{{worker="{u}",outcome="success"}} {n}'
                  for u, n in self.outcomes.items()]
         lines += [f'smg_worker_routing_keys_active{{worker="{u}"}} {sum(1 for c in a.values() if c > 0)}'
-                  for u, a in self.active.items()]
+                  for u, a in self.active.items() if u in self.keyed]  # exported once a key was there
+        lines.append(f'smg_worker_pool_size{{worker_type="decode",connection_mode="http",model="default"}} '
+                     f'{len(self.urls)}')
         return web.Response(text="\n".join(lines) + "\n")
 
     async def generate(self, request: web.Request) -> web.Response:
@@ -97,6 +101,7 @@ class FakeSmg:
         active = self.active[w]
         if key:
             active[key] += 1
+            self.keyed.add(w)
         try:
             await asyncio.sleep(self.serve_s)  # the decode worker's time (model)
         finally:

@@ -31,7 +31,8 @@ async def smg_cluster(n_decode: int = 2):
     """1 prefill + n decode stubs, SMG in PD mode with the manual decode policy; yields
     (smg_url, metrics_url, prefill, decodes, proc)."""
     prefill = StubWorker("prefill", name="p0", send_signature=False)
-    decodes = [StubWorker("decode", name=f"d{i}") for i in range(n_decode)]
+    # decode takes 50 ms (a real one takes longer): long enough for a key probe to be seen in flight
+    decodes = [StubWorker("decode", name=f"d{i}", latency=0.05) for i in range(n_decode)]
     purl = await prefill.start()
     durls = [await d.start() for d in decodes]
     port = free_port()
