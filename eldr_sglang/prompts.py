@@ -25,7 +25,9 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["load_tokenizer", "Tokenizer", "request_token_ids", "read_prompt_ids", "join_prompt_ids"]
+ENCODE_PIECE = 4096  # characters tokenised at a time by Tokenizer.encode_pieces
+
+__all__ = ["load_tokenizer", "Tokenizer", "PieceTokenizer", "request_token_ids", "read_prompt_ids", "join_prompt_ids"]
 
 
 class Tokenizer:
@@ -42,11 +44,54 @@ class Tokenizer:
 
     def chat(self, messages: list) -> list[int]:
         if getattr(self.hf, "chat_template", None):  # content parts as text, as SGLang gives a string template
-            msgs = [{**m, "content": _content(m)} if isinstance(m, dict) and isinstance(m.get("content"), list)
-                    else m for m in messages]
-            ids = self.hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            ids = self.hf.apply_chat_template(_text_parts(messages), add_generation_prompt=True, tokenize=True)
             return list(ids if isinstance(ids, list) else ids["input_ids"])  # transformers 5: a BatchEncoding
         return self.encode("\n".join(_content(m) for m in messages))
+
+    def encode_pieces(self, text: str, special: bool = True, piece: int = ENCODE_PIECE) -> list[int]:
+        """:meth:`encode` of a long text in pieces of at most ``piece`` characters cut
+        before a space: the tokenizer holds the GIL for one piece at a time, so a thread
+        tokenising leaves the event loop free. The ids differ at most at the cuts.
+        ``special``: the tokenizer's special tokens (BOS) before the first piece."""
+        if self._fast is None or not hasattr(self._fast, "encode"):
+            return self.encode(text) if special else list(self.hf.encode(text, add_special_tokens=False))
+        ids: list[int] = []
+        i = 0
+        while i < len(text):
+            j = min(i + piece, len(text))
+            if j < len(text):
+                cut = text.rfind(" ", i + 1, j)
+                j = cut if cut > i else j
+            ids.extend(self._fast.encode(text[i:j], add_special_tokens=special and i == 0).ids)
+            i = j
+        return ids
+
+    def chat_pieces(self, messages: list) -> list[int]:
+        """:meth:`chat` with the rendered template tokenised by :meth:`encode_pieces`
+        (the template's text carries its special tokens, as ``apply_chat_template``)."""
+        if getattr(self.hf, "chat_template", None):
+            text = self.hf.apply_chat_template(_text_parts(messages), add_generation_prompt=True, tokenize=False)
+            return self.encode_pieces(text, special=False)
+        return self.encode_pieces("\n".join(_content(m) for m in messages))
+
+
+class PieceTokenizer:
+    """A :class:`Tokenizer` seen through :meth:`~Tokenizer.encode_pieces` and
+    :meth:`~Tokenizer.chat_pieces` (what the routers tokenise with, on their prompt thread)."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok, self.path = tok, tok.path
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode_pieces(text)
+
+    def chat(self, messages: list) -> list[int]:
+        return self.tok.chat_pieces(messages)
+
+
+def _text_parts(messages: list) -> list:
+    return [{**m, "content": _content(m)} if isinstance(m, dict) and isinstance(m.get("content"), list)
+            else m for m in messages]
 
 
 def _content(m: Any) -> str:

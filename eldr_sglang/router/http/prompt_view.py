@@ -27,9 +27,9 @@ from eldr_sglang.router.http import sampling
 from eldr_sglang.router.http.bodies import BadRequest, check_scalars, parse_object
 
 MAX_TOKEN_ID = 2 ** 31 - 1
-VIEW_CHARS = 32 << 10  # prompt characters read per item
+VIEW_CHARS = 16 << 10  # prompt characters read per item
 VIEW_TOKENS = 4096  # token ids read per item
-VIEW_TOTAL_CHARS = 256 << 10  # over a batch or all messages
+VIEW_TOTAL_CHARS = 64 << 10  # over a batch or all messages
 VIEW_TOTAL_TOKENS = 64 << 10
 VIEW_MESSAGES = 256  # chat messages read (the first ones)
 ENDPOINTS = ("generate", "v1/completions", "v1/chat/completions")
@@ -106,7 +106,8 @@ def bounded_view(body: dict, endpoint: str, max_batch: int) -> dict:
     refused = sampling.refusal(body, endpoint, pd=False)
     if refused:
         raise BadRequest(refused)
-    view: dict = {k: body[k] for k in ("stream", "model", "n", "best_of") if body.get(k) is not None}
+    read = ("stream", "model") if endpoint == "generate" else ("stream", "model", "n", "best_of")
+    view: dict = {k: body[k] for k in read if body.get(k) is not None}  # checked scalars only
     sp = body.get("sampling_params")
     keep = ("n", "beam_width")
     if isinstance(sp, dict):

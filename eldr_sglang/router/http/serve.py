@@ -8,6 +8,7 @@ from typing import Any
 from aiohttp import web
 
 from eldr_sglang.router.http.client_guard import GuardedSite
+from eldr_sglang.router.http.malformed import server_logger
 
 CLIENT_KEEPALIVE_S = 75.0  # idle keep-alive client connections (aiohttp's default: an hour)
 
@@ -30,7 +31,7 @@ async def start_router(router: Any, host: str = "127.0.0.1", port: int = 0,
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
-                           keepalive_timeout=CLIENT_KEEPALIVE_S)
+                           keepalive_timeout=CLIENT_KEEPALIVE_S, logger=server_logger())
     await runner.setup()
     guards = getattr(router, "guards", None)
     site = (GuardedSite(runner, guards, host, port, reuse_port=reuse_port) if guards is not None

@@ -34,11 +34,14 @@ class PromptWork:
             raise BodyError(f"router busy: {self.pending} prompts wait to be tokenised; retry", 503)
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="eldr-prompt")
-        self.pending += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-        finally:
-            self.pending -= 1
+        loop = asyncio.get_running_loop()
+        self.pending += 1  # until the work itself ends (a caller that gave up does not free it)
+        job = self._executor.submit(fn, *args)
+        job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._done))
+        return await asyncio.wrap_future(job)
+
+    def _done(self) -> None:
+        self.pending -= 1
 
     def describe(self) -> dict:
         return {"pending": self.pending, "max_queued": self.max_queued, "refused": self.refused}

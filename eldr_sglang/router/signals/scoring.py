@@ -33,7 +33,7 @@ from aiohttp import web
 from prometheus_client import Counter
 
 from eldr_sglang.core.policies import Decision, Policy, RouteRequest
-from eldr_sglang.prompts import Tokenizer, request_token_ids
+from eldr_sglang.prompts import PieceTokenizer, Tokenizer, request_token_ids
 from eldr_sglang.router.http.bodies import BodyError, BodyParser, read_body
 from eldr_sglang.router.http.prompt_view import prompt_view
 from eldr_sglang.router.http.responses import error_response, json_response
@@ -58,6 +58,7 @@ class PredictedRouting:
 
     def __init__(self, artifact: Any, tokenizer: Optional[Tokenizer]) -> None:
         self.artifact, self.tokenizer = artifact, tokenizer
+        self._pieces = PieceTokenizer(tokenizer) if isinstance(tokenizer, Tokenizer) else tokenizer
         self.predictor = getattr(artifact, "predictor", None) if artifact is not None else None
 
     @property
@@ -66,7 +67,7 @@ class PredictedRouting:
 
     def token_ids(self, body: dict, endpoint: str) -> list[list[int]]:
         """Token ids per item; ValueError for a malformed body (answered 400)."""
-        return request_token_ids(body, endpoint, self.tokenizer)
+        return request_token_ids(body, endpoint, self._pieces)
 
     def predict(self, view: dict, endpoint: str) -> tuple[Optional[RouteRequest], dict]:
         """A bounded view (:func:`~eldr_sglang.router.http.prompt_view.bounded_view`) ->
