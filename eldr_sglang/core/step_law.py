@@ -1,24 +1,74 @@
-"""A decode server's step-time law, fitted from the step samples its engine reports.
+"""The decode step-time law: the one value type the policies price with, and its fit from
+the step samples an engine reports.
 
-``t = base_s + per_seq_s * B + per_expert_s * U + per_kv_token_s * KV`` (seconds per
-decode step; ``B`` the batch size, ``U`` the distinct experts summed over the
-server's MoE layers, ``KV`` the batch's KV tokens), every term >= 0: non-negative
+:class:`StepCost` is the law a policy prices with: ``t = base_s + per_seq_s * B +
+per_expert_s * U`` (seconds per decode step; ``B`` the batch size, ``U`` the expected
+distinct experts summed over the published layers), and a ``max_batch`` beyond which a
+request queues. :func:`marginal_seconds` is the price of joining a batch, the one formula
+of the policies (their loop over Python floats and their numpy path both call it; the
+simulator's cost model derives its law as a :class:`StepCost`, ``sim.cost_model.step_cost``).
+
+:class:`StepLaw` is a law fitted from an engine's steps, in engine units and with a KV
+term: ``t = base_s + per_seq_s * B + per_expert_s * U + per_kv_token_s * KV`` (``U`` over
+every MoE layer, ``KV`` the batch's KV tokens), every term >= 0: non-negative
 least squares (``scipy.optimize.nnls``), made robust by iteratively reweighting with
 Huber weights (a step slowed by something else, a compile, a swap, does not pull the
 law). ``r2`` is the weighted fit's coefficient of determination on the samples; a law
 that fits badly is worth less than its figures (:meth:`StepLaw.trusted_per_expert`).
+:func:`as_step_cost` turns it into the policies' :class:`StepCost`.
 Pure numeric; scipy is imported when a fit runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from eldr_sglang.core.policies.state_aware import StepCost
+from eldr_sglang.core.params import Params, param
+
+
+@dataclass(frozen=True)
+class StepCost(Params):
+    """Decode step time ``base_s + per_seq_s * B + per_expert_s * U`` (seconds), ``U`` the
+    expected distinct experts summed over the published layers. Defaults: Qwen3-30B-A3B
+    on one MI300X with 2 published layers, from the simulator's cost model
+    (``eldr_sglang.sim.cost_model.step_cost``; a test keeps them equal)."""
+
+    base_s: float = param(0.006318, 0.0, "step-time law: seconds per decode step")
+    per_seq_s: float = param(1.74e-05, 0.0, "step-time law: seconds per sequence in the batch")
+    per_expert_s: float = param(5.698e-05, 0.0, "step-time law: seconds per distinct expert of the published layers")
+    max_batch: int = param(256, 1, "batch size beyond which a request queues")
+
+    def seconds(self, batch: Any, unique: Any) -> Any:
+        """One decode step of ``batch`` sequences using ``unique`` distinct experts."""
+        return self.base_s + self.per_seq_s * batch + self.per_expert_s * unique
+
+    def marginal(self, batch: Any, unique: Any, added: Any) -> Any:
+        """:func:`marginal_seconds` with this law."""
+        return marginal_seconds(self.base_s, self.per_seq_s, self.per_expert_s, self.max_batch,
+                                batch, unique, added)
+
+
+def marginal_seconds(base_s: Any, per_seq_s: Any, per_expert_s: Any, max_batch: Any,
+                     batch: Any, unique: Any, added: Any) -> Any:
+    """How much the total token time of a batch (``batch`` sequences, ``unique`` distinct
+    experts) grows if a request that adds ``added`` distinct experts joins it:
+    ``(B + 1) t(B + 1, U + dU) - B t(B, U) = t(B, U) + (B + 1)(per_seq + per_expert dU)``,
+    plus, when the batch is full (``B >= max_batch``), the wait of about ``B - max_batch + 1``
+    steps. Python numbers, or numpy arrays (one entry per server: the same floats, elementwise)."""
+    t0 = base_s + per_seq_s * batch + per_expert_s * unique
+    score = t0 + (batch + 1) * (per_seq_s + per_expert_s * added)
+    queued = batch >= max_batch
+    if isinstance(queued, np.ndarray):
+        if queued.any():
+            score = np.where(queued, score + (batch - max_batch + 1) * (t0 + per_seq_s + per_expert_s * added),
+                             score)
+    elif queued:
+        score += (batch - max_batch + 1) * (t0 + per_seq_s + per_expert_s * added)
+    return score
+
 
 MIN_SAMPLES = 16  # fewer steps than this: no law
 HUBER_K = 1.345  # Huber's tuning constant (95% efficiency under normal noise)
@@ -87,14 +137,12 @@ def fit_step_law(samples: Sequence[dict], rounds: int = 5) -> Optional[StepLaw]:
     return StepLaw(float(c[0]), float(c[1]), float(c[2]), float(c[3]), r2, int(len(y)))
 
 
-def as_step_cost(law: StepLaw, expert_factor: float, samples: Sequence[dict], default: "StepCost") -> "StepCost":
+def as_step_cost(law: StepLaw, expert_factor: float, samples: Sequence[dict], default: StepCost) -> StepCost:
     """``law`` (engine units) as a policy's :class:`StepCost`. ``expert_factor``: the
     engine's distinct experts per distinct expert the policy counts (the engine sums
     every MoE layer, the policy the published ones: layers / published). The KV term is
     folded into the per-sequence one at the samples' mean KV tokens per sequence; the
     per-expert term is the trusted one (:meth:`StepLaw.trusted_per_expert`)."""
-    from eldr_sglang.core.policies.state_aware import StepCost
-
     kv = [s.get("kv_tokens", 0) / s["batch_size"] for s in samples if s.get("batch_size")]
     per_seq = law.per_seq_s + law.per_kv_token_s * (float(np.mean(kv)) if kv else 0.0)
     return StepCost(base_s=law.base_s, per_seq_s=per_seq, per_expert_s=law.trusted_per_expert() * expert_factor,
@@ -150,8 +198,6 @@ def samples_from_step_records(records: Sequence[dict]) -> list[dict]:
 def artifact_entry(law: StepLaw, samples: Sequence[dict], expert_factor: float, source: str) -> dict:
     """What an artifact keeps of a fitted law: the law in engine units, and the cost a
     policy prices with (:func:`as_step_cost`: distinct experts of the published layers)."""
-    from eldr_sglang.core.policies.state_aware import StepCost
-
     cost = as_step_cost(law, expert_factor, samples, StepCost())
     return {"law": law.to_dict(), "expert_factor": float(expert_factor), "source": source,
             "policy_cost": {"base_s": cost.base_s, "per_seq_s": cost.per_seq_s, "per_expert_s": cost.per_expert_s}}

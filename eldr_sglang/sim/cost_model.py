@@ -34,6 +34,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ..core.step_law import StepCost
+
 __all__ = [
     "CostParams",
     "PARAM_SETS",
@@ -227,15 +229,13 @@ def with_overrides(params: CostParams, **changes) -> CostParams:
 
 
 def step_cost(params: CostParams, published_layers: int, expert_scale: float = 1.0, max_batch: int = 256,
-              context_tokens: float = 0.0):
-    """The state-aware policy's linear step cost for ``params`` (no EP max):
+              context_tokens: float = 0.0) -> StepCost:
+    """The policies' step-time law (:class:`~eldr_sglang.core.step_law.StepCost`) for ``params`` (no EP max):
     ``base + per_seq * B + per_expert * U`` with ``U`` the distinct experts summed over
     ``published_layers`` trace layers, each standing for ``num_moe_layers / published_layers``
     layers of the model, counted in trace experts (``expert_scale`` = model experts per
     trace expert). ``context_tokens``: the KV tokens of an average running sequence, whose
     KV read is added to ``per_seq`` (0: the KV term is left out)."""
-    from ..core.policies.state_aware import StepCost
-
     L = params.num_moe_layers
     return StepCost(base_s=params.fixed_s + params.dense_s + params.moe_layer_fixed_s * L,
                     per_seq_s=(params.attn_s_per_token + params.moe_s_per_token * L

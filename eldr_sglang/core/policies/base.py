@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import numpy as np
 
 from eldr_sglang.core.artifact import DEFAULT_TAU
-from eldr_sglang.core.policies.params import NoParams, param_names, parse_params
+from eldr_sglang.core.params import NoParams, param_names, parse_params
 
 
 _EPS = 1e-9

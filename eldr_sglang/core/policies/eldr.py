@@ -10,7 +10,7 @@ import numpy as np
 from eldr_sglang.core.artifact import DEFAULT_TAU
 from eldr_sglang.core.policies.balancers import JSQPolicy
 from eldr_sglang.core.policies.base import _EPS, Decision, Policy, PolicySpec, register_policy
-from eldr_sglang.core.policies.params import Params, param
+from eldr_sglang.core.params import Params, param
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,9 @@ import numpy as np
 from eldr_sglang.core.policies.base import Decision, LazyDecision, PolicySpec, _candidates, register_policy
 from eldr_sglang.core.policies.eldr import CentroidOwnership
 from eldr_sglang.core.policies.locality import band_width, bounded, queue_band, region_band
-from eldr_sglang.core.policies.params import Params, param
-from eldr_sglang.core.policies.state_aware import StateAwarePolicy, StepCost
+from eldr_sglang.core.params import Params, param, param_of
+from eldr_sglang.core.policies.state_aware import StateAwarePolicy
+from eldr_sglang.core.step_law import StepCost
 
 # The default (chosen by benchmark/bench_default_policy.py and bench_locality.py, SIMULATED): a
 # server takes the request while it holds fewer than ceil(1.25 x mean + 3) in flight; among those,
@@ -84,12 +85,10 @@ class BalancedParams(Params):
                                       "locality pick's similarity band (cosine)")
     sim_band_full: Optional[float] = param(DEFAULT_SIM_BAND_FULL, 0.0, "the locality pick's band once the "
                                            "mean in flight reaches max_batch; none: sim_band")
-    base_s: float = param(BALANCED_COST.base_s, 0.0, "step-time law: seconds per decode step")
-    per_seq_s: float = param(BALANCED_COST.per_seq_s, 0.0, "step-time law: seconds per sequence "
-                             "(with the KV read of a 750-token sequence)")
-    per_expert_s: float = param(BALANCED_COST.per_expert_s, 0.0, "step-time law: seconds per distinct "
-                                "expert of the published layers")
-    max_batch: int = param(BALANCED_COST.max_batch, 1, "batch size beyond which a request queues")
+    base_s: float = param_of(StepCost, "base_s", BALANCED_COST.base_s)
+    per_seq_s: float = param_of(StepCost, "per_seq_s", BALANCED_COST.per_seq_s)
+    per_expert_s: float = param_of(StepCost, "per_expert_s", BALANCED_COST.per_expert_s)
+    max_batch: int = param_of(StepCost, "max_batch", BALANCED_COST.max_batch)
 
     def step_cost(self) -> StepCost:
         return StepCost(self.base_s, self.per_seq_s, self.per_expert_s, self.max_batch)

@@ -41,33 +41,20 @@ from this state) are a counted fallback to the least loaded server (``Decision.f
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Optional
 
 import numpy as np
 
 from eldr_sglang.core.policies.base import (Decision, Policy, PolicySpec, _candidates,
                                             least_loaded, register_policy)
-from eldr_sglang.core.policies.params import Params, param
+from eldr_sglang.core.step_law import StepCost, marginal_seconds
 
 P_MAX = 1.0 - 1e-6  # an expert used by every token still leaves 1 - p > 0: log(1 - p) >= -13.8
 _P_MAX32 = np.float32(P_MAX)
 LOG_FREE_MIN = -80.0  # exp(log_free) is computed from max(log_free, this)
 _LOG_FREE_MIN32 = np.float32(LOG_FREE_MIN)
 RESET_EVERY = 4096  # releases of one server between two recomputes of its sums from its live requests
-
-
-@dataclass(frozen=True)
-class StepCost(Params):
-    """Decode step time ``base_s + per_seq_s * B + per_expert_s * U`` (seconds), ``U`` the
-    expected distinct experts summed over the published layers. Defaults: Qwen3-30B-A3B
-    on one MI300X with 2 published layers, from the simulator's cost model
-    (``eldr_sglang.sim.cost_model.step_cost``; a test keeps them equal)."""
-
-    base_s: float = param(0.006318, 0.0, "step-time law: seconds per decode step")
-    per_seq_s: float = param(1.74e-05, 0.0, "step-time law: seconds per sequence in the batch")
-    per_expert_s: float = param(5.698e-05, 0.0, "step-time law: seconds per distinct expert of the published layers")
-    max_batch: int = param(256, 1, "batch size beyond which a request queues")
 
 
 class _Live:
@@ -140,7 +127,7 @@ class StateAwarePolicy(Policy):
         self._reported: set[int] = set()  # servers with an engine report (offset row in use)
         self.laws: list[Optional[StepCost]] = [None] * num_servers  # per-server step laws (None: cost)
         self.fallbacks: dict[str, int] = {}  # decisions that could not use the costs, by reason
-        # _costs inlines the step-time law unless a subclass prices servers its own way
+        # every server is priced at once (_cost_array) unless a subclass prices servers its own way
         self._inline_score = type(self)._score is StateAwarePolicy._score
         self._law_cache: Optional[tuple] = None  # _law_arrays()
         self.centroids = None
@@ -339,8 +326,8 @@ class StateAwarePolicy(Policy):
         return law
 
     def _cost_array(self, request, loads) -> np.ndarray:
-        """[N] float64 score of every server: :meth:`_score` elementwise, its expressions in
-        the same order (so the same floats as the loop in :meth:`_costs`)."""
+        """[N] float64 score of every server: :func:`~eldr_sglang.core.step_law.marginal_seconds`
+        on arrays (the same floats as :meth:`_score` server by server)."""
         n = len(loads)
         if request.activation is None or self.log_free is None:
             du = np.zeros(n)
@@ -358,15 +345,7 @@ class StateAwarePolicy(Policy):
             if not np.isfinite(du).all():
                 du = np.dot(self.free, np.nan_to_num(p, nan=0.0, posinf=1.0, neginf=0.0))
             du = du.astype(np.float64)
-        base, ps, pe, full = self._law_arrays()
-        b = np.asarray(loads, dtype=np.float64)
-        t0 = base + ps * b + pe * u
-        step = ps + pe * du
-        score = t0 + (b + 1.0) * step
-        queued = b >= full
-        if queued.any():  # the wait of a full batch: about b - max_batch + 1 steps
-            score = np.where(queued, score + (b - full + 1.0) * (t0 + ps + pe * du), score)
-        return score
+        return marginal_seconds(*self._law_arrays(), np.asarray(loads, dtype=np.float64), u, du)
 
     def _costs(self, request, loads, rows: Optional[list[int]] = None) -> list[float]:
         """Per-server score as Python floats (a loop over N beats ~15 small numpy calls up to
@@ -396,42 +375,18 @@ class StateAwarePolicy(Policy):
                     du[i] = d
             else:
                 du = self._added_experts(p)
-        if not self._inline_score:
-            if rows is None:
-                return [self._score(k, loads[k], u[k], du[k]) for k in range(n)]
-            out = [math.inf] * n
-            for k in rows:
-                out[k] = self._score(k, loads[k], u[k], du[k])
-            return out
-        # _score inlined (a method call per server costs more than its arithmetic); the same
-        # expressions in the same order, so the same floats
-        laws, cost = self.laws, self.cost
+        score = self._score
         if rows is None:
-            out = [0.0] * n
-            rows = range(n)
-        else:
-            out = [math.inf] * n
+            return [score(k, loads[k], u[k], du[k]) for k in range(n)]
+        out = [math.inf] * n
         for k in rows:
-            c = laws[k] or cost
-            ps, pe, b, dui = c.per_seq_s, c.per_expert_s, loads[k], du[k]
-            t0 = c.base_s + ps * b + pe * u[k]
-            score = t0 + (b + 1) * (ps + pe * dui)
-            if b >= c.max_batch:
-                score += (b - c.max_batch + 1) * (t0 + ps + pe * dui)
-            out[k] = score
+            out[k] = score(k, loads[k], u[k], du[k])
         return out
 
     def _score(self, k: int, b: int, ui: float, dui: float) -> float:
-        """Server ``k``'s increase of total token time: ``(b + 1) t1 - b t0`` with ``t0 = base
-        + ps b + pe u``, ``t1 = t0 + ps + pe du``, plus the wait of a full batch (about
-        ``b - max_batch + 1`` steps); its fitted law if it has one, else the policy's."""
-        c = self.laws[k] or self.cost
-        ps, pe = c.per_seq_s, c.per_expert_s
-        t0 = c.base_s + ps * b + pe * ui
-        score = t0 + (b + 1) * (ps + pe * dui)
-        if b >= c.max_batch:
-            score += (b - c.max_batch + 1) * (t0 + ps + pe * dui)
-        return score
+        """Server ``k``'s price (:func:`~eldr_sglang.core.step_law.marginal_seconds`): its
+        fitted law if it has one, else the policy's."""
+        return (self.laws[k] or self.cost).marginal(b, ui, dui)
 
     def _unique_list(self) -> list[float]:
         self._refresh()
