@@ -26,10 +26,47 @@ pytest.importorskip("sglang_router", reason="sglang-router (SMG) is not installe
 pytestmark = pytest.mark.slow  # ~1 min each on a loaded 2-core machine (SMG takes 10-40 s to start)
 
 
+class Smg:
+    """One SMG process over fixed argv: start (waits until it answers), stop, restart."""
+
+    def __init__(self, argv: list[str], url: str) -> None:
+        self.argv, self.url, self.proc, self.log = argv, url, None, None
+
+    async def start(self) -> None:
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        self.log = open(LOG_DIR / "smg-integration.log", "ab")
+        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT)
+        async with aiohttp.ClientSession() as http:
+            async def ready():
+                try:
+                    async with http.post(self.url + "/generate", json={"text": "x", "sampling_params":
+                                                                       {"max_new_tokens": 1}}) as r:
+                        return r.status == 200
+                except aiohttp.ClientError:
+                    return False
+            await until(ready, 90, "SMG answers a request")
+        assert non_loopback_listeners([self.proc.pid]) == [], "SMG listens outside loopback"
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+            self.log.close()
+            self.proc = None
+
+    async def restart(self) -> None:
+        self.stop()
+        await self.start()
+
+
 @contextlib.asynccontextmanager
 async def smg_cluster(n_decode: int = 2):
     """1 prefill + n decode stubs, SMG in PD mode with the manual decode policy; yields
-    (smg_url, metrics_url, prefill, decodes, proc)."""
+    (smg_url, metrics_url, prefill, decodes, smg)."""
     prefill = StubWorker("prefill", name="p0", send_signature=False)
     # decode takes 50 ms (a real one takes longer): long enough for a key probe to be seen in flight
     decodes = [StubWorker("decode", name=f"d{i}", latency=0.05) for i in range(n_decode)]
@@ -42,30 +79,12 @@ async def smg_cluster(n_decode: int = 2):
                               "--assignment-mode", "random", "--health-check-interval-secs", "1",
                               "--health-failure-threshold", "1")
     mport = argv[argv.index("--prometheus-port") + 1]
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    log = open(LOG_DIR / "smg-integration.log", "wb")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    smg = Smg(argv, f"http://127.0.0.1:{port}")
     try:
-        async with aiohttp.ClientSession() as http:
-            async def ready():
-                try:
-                    async with http.post(url + "/generate", json={"text": "x", "sampling_params":
-                                                                  {"max_new_tokens": 1}}) as r:
-                        return r.status == 200
-                except aiohttp.ClientError:
-                    return False
-            await until(ready, 90, "SMG answers a request")
-        assert non_loopback_listeners([proc.pid]) == [], "SMG listens outside loopback"
-        yield url, f"http://127.0.0.1:{mport}/metrics", prefill, decodes, proc
+        await smg.start()
+        yield smg.url, f"http://127.0.0.1:{mport}/metrics", prefill, decodes, smg
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        log.close()
+        smg.stop()
         for w in [prefill, *decodes]:
             await w.stop()
 
@@ -159,3 +178,22 @@ async def test_smg_adapter_failure_falls_back_to_smg_choice():
                 assert path == "pinned"
                 by_region.setdefault(i % 2, set()).add(served)
             assert all(len(v) == 1 for v in by_region.values())
+
+
+async def test_smg_restart_is_detected_and_keys_relearned():
+    """A real SMG 0.3.2 restart (same flags): its new worker ids suspend every key until a
+    probe re-learns it; afterwards every pinned request lands where ELDR decided."""
+    async with smg_cluster() as (url, metrics, prefill, decodes, smg):
+        name = {d.url.rstrip("/"): d.name for d in decodes}
+        pre = SmgPreRouter(url, LocalScorer(topic_artifact(), tokenizer()), metrics_url=metrics, refresh_s=0.2)
+        async with adapter(pre) as (aurl, http):
+            await until(lambda: len(pre.keys) == 2, 60, "a routing key learned for each decode worker")
+            for i in range(6):
+                served, pinned, path = await send(http, aurl, i % 2, seed=i, rid=f"a{i}")
+                assert path == "pinned" and served == name[pinned]
+            await smg.restart()
+            await until(lambda: pre.counters["smg_restarts"] == 1, 30, "the restart is detected")
+            await until(lambda: len(pre.keys) == 2, 60, "keys re-learned after the restart")
+            for i in range(12):
+                served, pinned, path = await send(http, aurl, i % 2, seed=200 + i, rid=f"b{i}")
+                assert path == "pinned" and served == name[pinned], (i, served, pinned)
