@@ -8,7 +8,8 @@ and the live loads, and pins that worker in the host router:
 * :mod:`.dynamo`: NVIDIA Dynamo's frontend, headers ``x-dynamo-worker-instance-id`` +
   ``x-dynamo-prefill-instance-id``, instance ids from the frontend's ``/health``;
 * :mod:`.smg`: SMG (``sglang-router`` 0.3.2), ``--decode-policy manual`` with
-  ``X-SMG-Routing-Key`` keys learned per decode worker (or one key per region).
+  ``X-SMG-Routing-Key`` keys learned per decode worker and verified continuously
+  against SMG's keys-in-flight gauge (:mod:`.smg_keys`), or one key per region.
 
 Early binding only: the host routers choose before prefill. See docs/INTEGRATIONS.md.
 

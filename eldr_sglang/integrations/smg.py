@@ -26,7 +26,9 @@ keyed requests move it, so other traffic neither slows learning nor misleads it)
   a changed set of ids in ``GET /workers`` is a restart: every key stops being used
   until a probe re-learns where the new SMG binds it. A set of ids seen before coming
   back means several SMG replicas answer behind ``host_url`` (a key means a different
-  worker in each): worker pinning stops (``fallback_smg_replicas``) with a WARNING;
+  worker in each): worker pinning stops (``fallback_smg_replicas``) with a WARNING.
+  While ``GET /workers`` fails (SMG down, restarting) nothing is pinned, so no request
+  after a restart carries a key before the new ids are seen;
 * a key unused for ``key_ttl_s`` is probed again before SMG's idle eviction could
   move it (keep it below ``--max-idle-secs``); keys are never dropped all at once.
 
@@ -98,6 +100,7 @@ class SmgPreRouter(PreRouter):
         self.ids: dict[str, str] = {}
         self.fingerprints_seen: set[frozenset] = set()
         self.replicas = False
+        self.unreachable = False  # the last GET /workers failed: no pins until it answers
         self.learning: dict[str, Any] = {"missing": [], "last_run": None, "gauge": None}
         self._learner: Optional[asyncio.Task] = None
         self._verifier: Optional[asyncio.Task] = None
@@ -110,6 +113,16 @@ class SmgPreRouter(PreRouter):
 
     # ------------------------------------------------------------------ discovery
     async def discover(self) -> None:
+        try:
+            await self._discover()
+            self.unreachable = False
+        except Exception:
+            # SMG down (restarting?) or its list unreadable: pin nothing until it answers again, so
+            # that requests right after a restart never carry keys the new SMG binds at random
+            self.unreachable = True
+            raise
+
+    async def _discover(self) -> None:
         async with self.session.get(self.host_url + "/workers", headers=self.control_headers) as r:
             if r.status != 200:
                 raise RuntimeError(f"GET /workers answered {r.status}" +
@@ -139,13 +152,13 @@ class SmgPreRouter(PreRouter):
             return
         old, self.fingerprint = self.ids, fp
         self.ids = ids
-        if old and fp in self.fingerprints_seen:
+        if old and not fp & frozenset(old.values()) and fp in self.fingerprints_seen:
             if not self.replicas:
                 self.replicas = True
                 self.counters["smg_replicas_detected"] += 1
                 logger.warning("smg: %s answers with worker ids seen before: several SMG replicas (a routing "
-                               "key means a different worker in each); worker pinning stops. Point the "
-                               "pre-router at one SMG, or use --key-mode region", self.host_url)
+                               "key means a different worker in each); worker pinning stops until this "
+                               "pre-router restarts. Point it at one SMG, or use --key-mode region", self.host_url)
         elif old and not fp & frozenset(old.values()):
             self.counters["smg_restarts"] += 1
             logger.warning("smg: every worker id at %s is new: SMG restarted; its keys are probed again "
@@ -166,8 +179,8 @@ class SmgPreRouter(PreRouter):
     def pin_headers(self, choice: Choice) -> Optional[dict[str, str]]:
         if self.key_mode == "region":
             return None if choice.region is None else {KEY_HEADER: f"eldr-region-{choice.region}"}
-        if self.replicas:
-            self.counters["fallback_smg_replicas"] += 1
+        if self.replicas or self.unreachable:
+            self.counters["fallback_smg_replicas" if self.replicas else "fallback_smg_unlisted"] += 1
             return None
         key = self.book.key_for(choice.worker)
         return {KEY_HEADER: key} if key else None
@@ -230,6 +243,8 @@ class SmgPreRouter(PreRouter):
 
     # ------------------------------------------------------------------ learning
     def _maybe_learn(self) -> None:
+        if self.replicas or self.unreachable:
+            return
         wanted = self.suspects or any(w not in self.book.active for w in self.workers)
         if wanted and (self._learner is None or self._learner.done()) and time.monotonic() >= self._learn_after:
             self._learner = asyncio.get_running_loop().create_task(self._learn())
