@@ -72,6 +72,20 @@ async def test_unproven_connections_holding_every_slot_cannot_lock_out_an_engine
             w.close()
 
 
+async def test_one_host_holds_few_unproven_connections(key_file, monkeypatch):
+    monkeypatch.setattr("eldr_sglang.router.signals.stream.UNPROVEN_PER_HOST", 4)
+    async with cluster(**tcp_engine(key_file)) as (router, url, prefill, decodes, http):
+        port = router.intake.port
+        a = [await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0)) for _ in range(6)]
+        b = [await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.3", 0)) for _ in range(3)]
+        assert [await asyncio.wait_for(r.read(), 20) for r, _ in a[:2]] == [b"", b""]  # its oldest two
+        await until(lambda: router.intake.gate.by_host["127.0.0.2"] == 4, what="4 left of 127.0.0.2")
+        assert router.intake.gate.by_host["127.0.0.3"] == 3
+        await routed_by_signature(http, url, 1)
+        for _, w in a + b:
+            w.close()
+
+
 async def test_a_connection_without_a_valid_mac_within_the_grace_is_closed(key_file):
     async with cluster(**tcp_engine(key_file)) as (router, url, prefill, decodes, http):
         router.intake.gate.grace = 0.5  # stream.AUTH_GRACE_S: 5 s

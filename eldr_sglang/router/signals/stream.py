@@ -148,12 +148,16 @@ class SignatureStream(asyncio.Protocol):
             return
         self.transport = transport
         it.metrics.event("signature_streams")
-        loop = asyncio.get_running_loop()
-        self.last = self.opened = loop.time()
-        self.task = loop.create_task(self._consume())
+        self.last = self.opened = asyncio.get_running_loop().time()
+        self._arm()
+
+    def _start_consumer(self) -> None:
+        """The line handler, started with the first complete line (most connections that
+        never prove themselves never send one)."""
+        it = self.intake
+        self.task = asyncio.get_running_loop().create_task(self._consume())
         it.tasks.add(self.task)
         self.task.add_done_callback(it.tasks.discard)
-        self._arm()
 
     def connection_lost(self, exc: Optional[BaseException]) -> None:
         if self.transport is None:
@@ -253,6 +257,8 @@ class SignatureStream(asyncio.Protocol):
                 if line and not line.isspace():
                     self.lines.append(line)
                     self.queued += len(line)
+                    if self.task is None:
+                        self._start_consumer()
                     self._wake()
         if self.queued > it.max_bytes and not self.paused and self.transport is not None:
             self.paused = True
