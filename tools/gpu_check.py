@@ -202,9 +202,43 @@ class Workload:
     max_rows: int = 0
 
 
-def gate_orders(gen, layers: int, n: int, experts: int, device) -> torch.Tensor:
-    """``[layers, n, experts]`` uint8: a random permutation per token (distinct logits, no ties)."""
-    return torch.rand((layers, n, experts), generator=gen, device=device).argsort(dim=-1).to(torch.uint8)
+def gate_orders(gen, layers: int, n: int, experts: int, device, kinds=None, groups=None) -> torch.Tensor:
+    """``[layers, n, experts]`` uint8: each token's rank of every expert, a random permutation
+    (distinct logits, no ties). A token of kind ``c`` ranks the experts of its group
+    ``groups[layer, c]`` first, as a domain's tokens favour some experts; without kinds
+    (padding rows) every expert is as likely."""
+    scores = torch.rand((layers, n, experts), generator=gen, device=device)
+    if kinds is not None:
+        scores += 2.0 * groups[:, kinds]
+    return scores.argsort(dim=-1).argsort(dim=-1).to(torch.uint8)
+
+
+def expert_groups(gen, shape: Shape, device) -> torch.Tensor:
+    """``[layers, kinds, experts]`` bool: per layer, disjoint groups of ``2 top_k`` experts, one
+    per kind of request, covering half the experts. A decode step then hits fewer than all
+    experts, and padding rows (any expert) counted by mistake would show."""
+    size = 2 * shape.top_k
+    kinds = max(1, shape.experts // (2 * size))
+    order = torch.rand((shape.layers, shape.experts), generator=gen, device=device).argsort(dim=-1)
+    groups = torch.zeros((shape.layers, kinds, shape.experts), dtype=torch.bool, device=device)
+    for c in range(kinds):
+        groups[:, c].scatter_(1, order[:, c * size:(c + 1) * size], True)
+    return groups
+
+
+def token_kinds(step: Step, scn: Scenario, kinds: int, gen) -> list[torch.Tensor]:
+    """The kind of each token of each rank: the local rank's from its requests (row mod kinds),
+    the other ranks' at random."""
+    device = step.slots.device
+    out = []
+    for rank, n in enumerate(step.live):
+        if rank != scn.dp_slot:
+            out.append(torch.randint(0, kinds, (n,), generator=gen).to(device))
+        elif step.kind == "extend":
+            out.append((step.rows % kinds).repeat_interleave(step.seq_lens, output_size=n))
+        else:
+            out.append(step.rows % kinds)
+    return out
 
 
 def split_requests(gen, n: int, longest: int) -> list[int]:
@@ -275,8 +309,11 @@ def make_workload(shape: Shape, scn: Scenario, device, seed: int) -> Workload:
                                         None if first else 1))
         else:
             wl.steps.append(decode_step(wl, shape, scn, next(decodes), kv, cpu_gen, device))
+    groups = expert_groups(gen, shape, device)
     for step in wl.steps:  # sizes were drawn on the host; the gate orders are drawn on the device
-        step.inputs = [gate_orders(gen, shape.layers, n, shape.experts, device) for n in step.live]
+        kinds = token_kinds(step, scn, groups.shape[1], cpu_gen)
+        step.inputs = [gate_orders(gen, shape.layers, n, shape.experts, device, k, groups)
+                       for n, k in zip(step.live, kinds)]
     return wl
 
 
