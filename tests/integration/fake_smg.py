@@ -11,7 +11,8 @@ What it models, each checked on the real 0.3.2 with stub workers:
   worker) and ``smg_worker_routing_keys_active{worker}`` (distinct routing keys with a
   request in flight there; unkeyed requests do not move it; a worker's line appears once
   a keyed request reached it), and ``smg_worker_pool_size``;
-* :meth:`restart`: keys forgotten, counters back to 0, new worker ids.
+* :meth:`restart`: keys forgotten, counters back to 0, new worker ids; ``down`` before
+  it models the time a restarting SMG does not answer (every endpoint 503).
 
 Model knobs: ``serve_s`` (how long a request stays at its decode worker),
 ``background_rps`` (other traffic, unkeyed: completions added to random workers'
@@ -48,6 +49,7 @@ class FakeSmg:
         self.healthy = set(self.urls)
         self.served: collections.Counter = collections.Counter()  # requests per worker name (all)
         self.restarts = 0
+        self.down = False  # between a stop and a restart: every endpoint answers 503
         self._reset()
         self._runner: Optional[web.AppRunner] = None
         self._bg: Optional[asyncio.Task] = None
@@ -64,12 +66,15 @@ class FakeSmg:
         """SMG restarted: keys, counters and worker ids are new (in-flight requests finish)."""
         self.restarts += 1
         self._reset()
+        self.down = False
 
     def bound(self, key: str) -> Optional[str]:
         return self.keys.get(key)
 
     # ------------------------------------------------------------------ HTTP
     async def workers(self, request: web.Request) -> web.Response:
+        if self.down:
+            return web.json_response({"error": "down"}, status=503)
         if self.control_token and request.headers.get("Authorization") != f"Bearer {self.control_token}":
             return web.json_response({"error": "unauthorized"}, status=401)
         ws = [{"id": self.ids[u], "url": u, "worker_type": "decode", "is_healthy": u in self.healthy}
@@ -89,7 +94,7 @@ class FakeSmg:
     async def generate(self, request: web.Request) -> web.Response:
         await request.read()
         live = [u for u in self.urls if u in self.healthy]
-        if not live:
+        if not live or self.down:
             return web.json_response({"error": "no workers"}, status=503)
         key = request.headers.get(KEY)
         if key:
