@@ -90,14 +90,13 @@ class Router(RouterShell):
         self.wait_limit = WaitLimit(c.signature_timeout, c.signature_timeout_min,
                                     c.signature_timeout_factor)
         m.signature_wait_limit.set(self.wait_limit.value)
-        early = (EarlyBinding(c, m.registry, lambda: state.routing.encoder).route
-                 if c.binding != "late" else None)
+        self.early = EarlyBinding(c, m.registry, lambda: state.routing.encoder) if c.binding != "late" else None
+        early = self.early.route if self.early is not None else None
         self.dispatcher = Dispatcher(DispatchParts(
             c, m, self.pool, self.board, self.parser, self.upstream, self.wait_limit, state,
             self.runtime, self.decisions, log, self.admission, shadow=self.shadow, early=early,
-            learns=self.online is not None,
-            on_start=self.ab.request_started if self.ab is not None else None,
-            on_done=self.ab.request_done if self.ab is not None else None))
+            learns=self.online is not None))
+        self.flow = self.dispatcher
 
     def _warn_open_intake(self, c: RouterConfig) -> None:
         """Say at start who may post signature messages when no signature key is set."""
@@ -136,9 +135,6 @@ class Router(RouterShell):
         self.decisions.record(rids, rooms, label, waiters, d, dec, loads, self.pool.decodes, shadow)
 
     # ------------------------------------------------------------ the shell's hooks
-    async def handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
-        return await self.dispatcher.handle(request, endpoint)
-
     def adopt(self, art: Any) -> None:
         if self.online is not None:
             self.online.adopt(art)
@@ -189,5 +185,7 @@ class Router(RouterShell):
 
     async def stop_flow(self) -> None:
         await self.intake.close()
+        if self.early is not None:
+            self.early.close()
         if self.online is not None:
             self.online.close()

@@ -5,9 +5,14 @@ conventions (API key, request ids, OpenAI-shaped errors, CORS, the header time
 limit), admission and drain, the worker session and upstream client, the routing
 state and its lifecycle (calibration reload and ``--calibration-watch``, membership
 changes, A/B slices, engine reports), the decision log, status, metrics and the
-admin and info routes. A flow (the PD :class:`~eldr_sglang.router.app.Router`, the
-:class:`~eldr_sglang.router.colocated.ColocatedRouter`) subclasses it and adds its
-own parts: ``handle(request, endpoint)`` for the work routes and the hooks below.
+admin and info routes, and the request wrapper of the work routes (:meth:`handle`: body
+read, admission, A/B, duration, error shaping). It holds the request flow behind one
+small protocol (:class:`Flow`: ``admit`` then ``serve``; the PD flow
+:mod:`~eldr_sglang.router.flow.dispatch`, the co-located flow
+:mod:`~eldr_sglang.router.flow.colocated`, both sending through
+:class:`~eldr_sglang.router.flow.send.Sender`). The routers that wire a flow in
+(:class:`~eldr_sglang.router.app.Router`, :class:`~eldr_sglang.router.colocated.ColocatedRouter`)
+add their parts through the hooks below.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any, Optional, Sequence
+import time
+from typing import Any, Optional, Protocol, Sequence
 
 import aiohttp
 import orjson
@@ -26,7 +32,7 @@ from eldr_sglang.router.pool import upstream
 from eldr_sglang.router.state.ab import ABController
 from eldr_sglang.router.api.admin import AdminApi
 from eldr_sglang.router.state.admission import Admission
-from eldr_sglang.router.http.bodies import BodyParser
+from eldr_sglang.router.http.bodies import BodyError, BodyParser, read_body
 from eldr_sglang.router.http.client_guard import ClientGuards
 from eldr_sglang.router.http.clients import RequestIds, bearer_matches, unauthorized, with_client_conventions
 from eldr_sglang.router.config import WORKER_KEEPALIVE_S, RouterConfig
@@ -36,6 +42,7 @@ from eldr_sglang.router.http.http_conventions import install as install_conventi
 from eldr_sglang.router.api.info_api import InfoApi
 from eldr_sglang.router.metrics import RouterMetrics
 from eldr_sglang.router.state.online import CalibrationWatcher
+from eldr_sglang.router.flow.dispatch_parts import Flight
 from eldr_sglang.router.flow.relay import Relay
 from eldr_sglang.router.http.responses import error_response, json_response
 from eldr_sglang.router.state.routing import Routing, RoutingState
@@ -69,10 +76,22 @@ def initial_artifact(config: RouterConfig) -> Any:
     return load_calibration(c.calibration)
 
 
+class Flow(Protocol):
+    """What the shell holds a request flow by (the PD flow, the co-located flow)."""
+
+    async def admit(self, request: web.Request, raw: bytes, endpoint: str, t0: float) -> Flight:
+        """The parsed, checked request (BodyError: refused with its status)."""
+
+    async def serve(self, request: web.Request, fl: Flight) -> web.StreamResponse:
+        """The admitted request, answered."""
+
+
 class RouterShell:
-    """One router process's shell; ``mode`` names its flow (``pd``, ``colocated``)."""
+    """One router process's shell; ``mode`` names its flow (``pd``, ``colocated``), held
+    as ``flow`` (:class:`Flow`)."""
 
     mode = "pd"
+    flow: Flow
 
     def __init__(self, config: RouterConfig, metrics: RouterMetrics, pool: WorkerPool,
                  artifact: Any = None, domain_map: Optional[dict] = None) -> None:
@@ -114,9 +133,42 @@ class RouterShell:
                               change_servers=self.change_servers, reload=self.reload_calibration,
                               fan_out=self.info.fan_out)
 
-    # ------------------------------------------------------------ what a flow adds
+    # ------------------------------------------------------------ the request wrapper
     async def handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
-        raise NotImplementedError
+        """One client request on a work route, whatever the flow: the body read (size
+        cap, time limit) and admitted by the flow (parsed, viewed: off the loop when
+        big) before an in-flight slot is taken, so slow or bad clients hold none; then
+        the flow serves it; duration and A/B accounted on every path."""
+        t0 = time.perf_counter()
+        try:
+            raw = await read_body(request, self.body_limit, self.config.client_body_timeout or None)
+            fl = await self.flow.admit(request, raw, endpoint, t0)
+        except BodyError as e:
+            return self.bad(str(e), e.status)
+        refusal = self.admission.refusal()
+        if refusal is not None:
+            return refusal
+        self.admission.enter()
+        fl.ab = self.ab.request_started(fl.routing) if self.ab is not None else None
+        status = 0
+        try:
+            resp = await self.flow.serve(request, fl)
+            status = resp.status
+            return resp
+        finally:
+            self.admission.leave()
+            elapsed = time.perf_counter() - t0
+            self.metrics.deferred(self.metrics.request_duration, endpoint).observe(elapsed)
+            if self.ab is not None:
+                self.ab.request_done(fl.ab, elapsed, status)
+
+    def bad(self, message: str, status: int = 400) -> web.Response:
+        """A refused request's answer (JSON), counted by kind; 503 with Retry-After."""
+        kind = {408: "body_timeout", 413: "too_large", 503: "busy"}.get(status, "bad_request")
+        self.metrics.errors.labels(kind).inc()
+        return error_response(status, message, self.config.retry_after if status == 503 else None)
+
+    # ------------------------------------------------------------ what a flow adds
 
     def flow_status(self) -> dict:
         """The flow's own fields of ``/eldr/status``."""

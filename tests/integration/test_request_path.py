@@ -351,3 +351,17 @@ async def test_malformed_requests_log_one_rate_limited_warning(caplog):
         assert not any(r.exc_info for r in warnings)
         async with http.get(url + "/health") as r:
             assert r.status == 200
+
+
+async def test_early_binding_predicts_off_the_loop():
+    """``--binding early`` predicts the PD request's signature at arrival: on the prompt
+    thread, from the bounded view, never on the event loop."""
+    async with cluster(n_decode=TOPICS, artifact=make_artifact(), binding="early",
+                       tokenizer=TOKENIZER) as (router, url, prefill, decodes, http):
+        status, raw = await post(http, url + "/generate", {"input_ids": topic_ids(2)})
+        assert status == 200 and orjson.loads(raw)["meta_info"]["server"] == "d2", raw
+        assert router.metrics.value("route_path", mode="early", path="early") == 1
+        idle = await _idle_worst(url, http)
+        body = orjson.dumps({"text": "a " * (120 << 10)})  # under the parser process's threshold
+        worst, status, raw = await _stall(url, "/generate", body, http)
+        _check_stall("pd early binding big_text", worst, idle, status, raw)

@@ -165,7 +165,10 @@ async def test_signature_step_ends_with_the_failed_prefill():
 async def test_signature_step_takes_an_early_route_without_waiting():
     early = RouteRequest(label="early")
     parts = make_parts(artifact=toy_calibration_artifact(2), policy="eldr")
-    parts = replace(parts, early=lambda body, endpoint, label: early)
+    async def bind_early(body, endpoint, label):
+        return early
+
+    parts = replace(parts, early=bind_early)
     d = Dispatcher(parts)
     fl = flight(parts)
     d.prepare(fl, {})

@@ -3,8 +3,8 @@
 One client request goes through named steps, each a method of :class:`Dispatcher`
 that works on the request's :class:`~eldr_sglang.router.flow.dispatch_parts.Flight`:
 
-1. ``admit``: the body is read and valid; above ``max_inflight`` client requests
-   answer 429 + Retry-After at once (nothing is opened upstream);
+1. ``admit``: the body is parsed and valid (the shell read it and, after this step,
+   takes an in-flight slot: :class:`~eldr_sglang.router.shell.RouterShell`);
 2. ``prepare``: pick a prefill server (least loaded); add ``bootstrap_host/port/room``
    (lists for a batch), a ``rid`` if none, and this router's signature return address
    (``custom_params.eldr_signature_to``, so each replica gets its own signatures);
@@ -14,9 +14,10 @@ that works on the request's :class:`~eldr_sglang.router.flow.dispatch_parts.Flig
    (``--binding``) or the room's message (adaptive limit); a prefill failure ends the
    wait and is the client's answer; no message in time falls back to least loaded
    (counted);
-5. ``decide``: the policy picks the decode server (kept in the decision log);
-6. ``decode``: the same body goes there. A room binds once, so a decode is re-sent
-   elsewhere only when the connection was refused;
+5. ``decide`` and 6. ``decode``: the one send loop every flow uses
+   (:class:`~eldr_sglang.router.flow.send.Sender`): the policy picks the decode server
+   (kept in the decision log), the same body goes there (racing the prefill). A room
+   binds once, so a decode is re-sent elsewhere only when the connection was refused;
 7. ``relay`` (:mod:`~eldr_sglang.router.flow.relay`): the client gets the decode answer
    only if the prefill succeeded too: a prefill failing at any point (before or after
    its signature, before or after the decode was posted) is the client's error, and
@@ -34,25 +35,23 @@ import asyncio
 import logging
 import random
 import time
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence
 
-import numpy as np
 from aiohttp import web
 
-from eldr_sglang.core.policies import Decision, RouteRequest, least_loaded
+from eldr_sglang.core.policies import Decision, RouteRequest
 from eldr_sglang.router.pool import upstream
-from eldr_sglang.router.http.bodies import BodyError, read_body
 from eldr_sglang.router.http.body_rules import label_of, set_return_address, set_rid
 from eldr_sglang.router.http.clients import REQUEST_ID_KEY
 from eldr_sglang.router.flow.dispatch_parts import DispatchParts, Flight, PrefillResult
 from eldr_sglang.router.flow.relay import Relay
-from eldr_sglang.router.http.responses import error_in_body, error_response
+from eldr_sglang.router.flow.send import Sender
+from eldr_sglang.router.http.responses import error_in_body
 from eldr_sglang.router.state.routing import Routing
 from eldr_sglang.router.signals.signatures import activation, combine, union
 from eldr_sglang.router.pool.workers import Worker
 
 logger = logging.getLogger("eldr_sglang.router")
-decision_logger = logging.getLogger("eldr_sglang.router.decisions")
 
 
 class _NoSignature(Exception):
@@ -71,116 +70,47 @@ class Dispatcher:
     def __init__(self, parts: DispatchParts) -> None:
         self.p = parts
         self.relay = Relay(parts.config, parts.metrics, parts.pool, parts.runtime)
-        c, m = parts.config, parts.metrics  # request-path histograms: observed in batches (Deferred)
-        self.body_limit = int(c.max_body_mb * (1 << 20))
-        self.decision_level = logging.INFO if c.log_decisions else logging.DEBUG
-        self._added, self._choose = m.deferred(m.added_latency), m.deferred(m.choose_time)
-        self._band, self._best = m.deferred(m.band_size), m.deferred(m.best_similarity)
-        self._wait = m.deferred(m.signature_wait)
-        self._decision_children: dict[tuple[str, str, str], tuple] = {}
-        self._fallback_rng = np.random.default_rng(c.seed)
+        self.sender = Sender(parts.config, parts.metrics, parts.pool, parts.state, self.relay, parts.log)
+        self._wait = parts.metrics.deferred(parts.metrics.signature_wait)
+
+    @property
+    def decision_level(self) -> int:
+        return self.sender.decision_level
 
     # ------------------------------------------------------------ the flow
-    async def handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
-        """One client request, admitted, served and accounted for."""
-        fl = await self.admit(request, endpoint)
-        if not isinstance(fl, Flight):
-            return fl
-        p, status = self.p, 0
-        if p.on_start is not None:
-            fl.ab = p.on_start(fl.routing)
-        try:
-            resp = await self.serve(request, fl)
-            status = resp.status
-            return resp
-        finally:
-            p.admission.leave()
-            elapsed = time.perf_counter() - fl.t0
-            p.metrics.deferred(p.metrics.request_duration, endpoint).observe(elapsed)
-            if p.on_done is not None:
-                p.on_done(fl.ab, elapsed, status)
+    async def admit(self, request: web.Request, raw: bytes, endpoint: str, t0: float) -> Flight:
+        """The body parsed and checked (off the loop when big), a rid set: the flight
+        (the shell admits it); BodyError (4xx, 503) when the request is refused."""
+        p = self.p
+        body, n = await p.parser.request(raw, endpoint, p.config.max_batch)
+        rids = set_rid(body, n)
+        return Flight(endpoint, t0, body, n, rids, p.state.routing)  # the A/B arm: the routing it arrived under
 
     async def serve(self, request: web.Request, fl: Flight) -> web.StreamResponse:
         """prepare -> prefill -> signature -> decide -> decode -> relay."""
         p = self.p
         self.prepare(fl, request.headers, request.get(REQUEST_ID_KEY))
         fl.prefill_task = p.runtime.spawn(self.prefill(fl))
-        d: Optional[Worker] = None
         try:
             failed = await self.signature(fl)
             if failed is not None:
                 return self.relay.prefill_error(failed)
-            tried: set[int] = set()
-            while True:
-                d, dec, loads = self.decide(fl.route, tried, fl.rids, fl.routing)
-                if dec.reason == "policy_error":  # the signature does not fit the policy
-                    fl.route = RouteRequest(label=fl.label)
-                self.note(fl, d, dec, loads)
-                ticket = p.pool.enter(d)
-                admitted = None
-                try:  # every step after enter() is inside the release path
-                    admitted = self._admit_policy(fl.routing.policy, dec.index, fl.route)
-                    fl.decode_sent = True  # from here on the prefill is never re-sent
-                    if not tried:
-                        self._added.observe(time.perf_counter() - fl.t0 - fl.waited)
-                    out = await self.decode(d, fl)
-                    if isinstance(out, PrefillResult):  # prefill failed first: abort the decode
-                        self.relay.abort_sent(fl, [d])
-                        return self.relay.prefill_error(out)
-                    if isinstance(out, upstream.ConnectError) and len(tried) + 1 < len(p.pool.decodes):
-                        p.pool.failure(d, ticket, repr(out), "connect", hard=True)
-                        tried.update(i for i, x in enumerate(p.pool.decodes) if x is d)
-                        p.metrics.retries.labels("decode").inc()
-                        continue  # never reached the server: the room is still unbound
-                    if isinstance(out, upstream.UpstreamError):
-                        return self.relay.decode_failed(d, ticket, out, fl)
-                    try:
-                        return await self.relay.relay(request, out, d, ticket, fl)
-                    finally:
-                        out.release()
-                finally:
-                    p.pool.leave(d, ticket)
-                    fl.routing.policy.release(admitted)
+            return await self.sender.send(request, fl, self.decode, self.note)
         except asyncio.CancelledError:  # client went away (unless it had the whole answer)
             if not fl.finished:
                 p.metrics.event("client_disconnects")
-                self._abandon(fl, d)
+                self._abandon(fl)
             raise
         except Exception:  # a router bug: nothing may stay held on the workers
-            self._abandon(fl, d)
+            self._abandon(fl)
             raise
         finally:
             for room in fl.rooms:
                 p.board.discard(room)
 
-    def _abandon(self, fl: Flight, d: Optional[Worker]) -> None:
+    def _abandon(self, fl: Flight) -> None:
         fl.prefill_task.cancel()
-        self.relay.abort_sent(fl, [fl.prefill] + ([d] if d is not None else []))
-
-    # ------------------------------------------------------------ admit
-    async def admit(self, request: web.Request, endpoint: str) -> Union[Flight, web.Response]:
-        """Read and validate the body first (size cap, time limit, off the loop when big);
-        only then take an admission slot, so slow or bad clients hold none. The
-        flight, holding a slot, or the refusal."""
-        p = self.p
-        t0 = time.perf_counter()
-        try:
-            raw = await read_body(request, self.body_limit, p.config.client_body_timeout or None)
-            body, n = await p.parser.request(raw, endpoint, p.config.max_batch)
-            rids = set_rid(body, n)
-        except BodyError as e:
-            return self._bad(str(e), e.status)
-        refusal = p.admission.refusal()
-        if refusal is not None:
-            return refusal
-        p.admission.enter()
-        # the A/B arm is the policy a request arrived under
-        return Flight(endpoint, t0, body, n, rids, p.state.routing)
-
-    def _bad(self, message: str, status: int = 400) -> web.Response:
-        kind = {400: "bad_request", 408: "body_timeout", 413: "too_large"}.get(status, "bad_request")
-        self.p.metrics.errors.labels(kind).inc()
-        return error_response(status, message)
+        self.relay.abort_sent(fl, [fl.prefill] + list(self.p.pool.decodes))  # only those it was sent to
 
     # ------------------------------------------------------------ prepare
     def prepare(self, fl: Flight, headers: Mapping[str, str],
@@ -258,7 +188,7 @@ class Dispatcher:
         fl.route = RouteRequest(label=fl.label)
         if not fl.routing.policy.needs_signature:
             return None
-        early = p.early(fl.body, fl.endpoint, fl.label) if p.early is not None else None
+        early = await p.early(fl.body, fl.endpoint, fl.label) if p.early is not None else None
         if early is not None:  # --binding: bound at arrival
             fl.route = early
             return None
@@ -351,52 +281,8 @@ class Dispatcher:
     def decide(self, req: RouteRequest, exclude: set[int] = frozenset(),
                rids: Sequence[str] = (), routing: Optional[Routing] = None,
                ) -> tuple[Worker, Decision, list[int]]:
-        """Pick the decode server with ``policy.explain`` (same pick as ``choose``);
-        (server, decision, the loads it saw). ``routing``: the one the request arrived
-        under (default: the live one)."""
-        p = self.p
-        routing = routing or p.state.routing
-        pool = p.pool
-        decodes = pool.decodes
-        loads = pool.decode_loads()
-        allowed = pool.allowed_decodes(exclude)
-        t0 = time.perf_counter()
-        try:
-            dec = routing.policy.explain(req, loads, allowed)
-        except (ValueError, IndexError) as e:  # e.g. a signature of other layers
-            p.log.warn("policy_mismatch", "policy %s cannot route this request (%s); "
-                       "least loaded", routing.name, e)
-            dec = Decision(least_loaded(loads, np.flatnonzero(allowed), self._fallback_rng),
-                           routing.name, "policy_error", fallback="policy_mismatch")
-        if dec.fallback is not None and req.fallback is None:  # at most one per decision
-            p.metrics.fallbacks.labels(dec.fallback).inc()
-        m = p.metrics
-        self._choose.observe(time.perf_counter() - t0)
-        d = decodes[dec.index]
-        if not routing.policy.needs_signature:
-            kind = "blind"
-        else:
-            kind = ("signature" if (req.signature is not None or req.activation is not None)
-                    and dec.fallback is None else "fallback")
-        key = (routing.name, kind, d.url)
-        children = self._decision_children.get(key)
-        if children is None:  # labels() lookups cost microseconds: once per key
-            children = self._decision_children[key] = (
-                m.decisions.labels(routing.name, kind), m.requests.labels(routing.name, d.url))
-        for child in children:
-            child.inc()
-        if dec.band is not None:
-            self._band.observe(len(dec.band))
-            self._best.observe(dec.best_similarity)  # None (cost-only decisions) is skipped
-        level = self.decision_level
-        if decision_logger.isEnabledFor(level):
-            decision_logger.log(
-                level, "decision rids=%s policy=%s reason=%s top3=%s band=%s loads=%s allowed=%s "
-                "chosen=%d %s", list(rids)[:4], routing.name, dec.reason,
-                [(decodes[i].url, round(v, 4)) for i, v in dec.top(3)],
-                list(dec.band) if dec.band is not None else None, loads,
-                [i for i, a in enumerate(allowed) if a], dec.index, d.url)
-        return d, dec, loads
+        """:meth:`Sender.decide <eldr_sglang.router.flow.send.Sender.decide>`."""
+        return self.sender.decide(req, exclude, rids, routing)
 
     def note(self, fl: Flight, d: Worker, dec: Decision, loads: list[int]) -> None:
         """The decision into the log, with the shadow policy's pick."""
@@ -405,18 +291,6 @@ class Dispatcher:
                   if p.shadow is not None else None)
         p.decisions.record(fl.rids, fl.rooms, fl.label, fl.waiters, d, dec, loads,
                            p.pool.decodes, shadow)
-
-    def _admit_policy(self, policy: Any, index: int, route: RouteRequest) -> Any:
-        """``policy.admit``; a signature it cannot take is a counted fallback (admitted
-        without it), never an error."""
-        try:
-            return policy.admit(index, route)
-        except (ValueError, IndexError) as e:
-            if route.fallback is None:  # at most one per decision
-                self.p.metrics.fallbacks.labels("policy_mismatch").inc()
-            self.p.log.warn("policy_mismatch", "policy %s cannot take this signature: %s",
-                            policy.name, e)
-            return policy.admit(index, RouteRequest(label=route.label))
 
     def _shadow(self, route: RouteRequest, waiters: list[asyncio.Future], room: int,
                 loads: list[int], chosen: int) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
 import orjson
 
@@ -26,7 +26,7 @@ from eldr_sglang.router.pool.workers import Worker, WorkerPool
 if TYPE_CHECKING:
     from eldr_sglang.router.state.ab import ShadowPolicy
 
-EarlyRoute = Callable[[dict, str, Optional[str]], Optional[RouteRequest]]
+EarlyRoute = Callable[[dict, str, Optional[str]], Awaitable[Optional[RouteRequest]]]
 
 
 @dataclass(frozen=True)
@@ -48,9 +48,6 @@ class DispatchParts:
     shadow: Optional["ShadowPolicy"] = None
     early: Optional[EarlyRoute] = None  # --binding early|auto: a route at arrival, or None
     learns: bool = False  # --online: every request's signature is watched
-    # A/B: on_start(arm) at admission -> a token; on_done(token, seconds, status) when it ends
-    on_start: Optional[Callable[[Routing], Any]] = None
-    on_done: Optional[Callable[[Any, float, int], None]] = None
 
 
 @dataclass
@@ -91,7 +88,7 @@ class Flight:
     decode_sent: bool = False
     finished: bool = False  # the client has the whole answer (a stream's last event relayed)
     sent: set[int] = field(default_factory=set)  # ids of the workers the request was written to
-    ab: Any = None  # on_start's token (A/B)
+    ab: Any = None  # the A/B slice's token (the shell's)
 
     def on_sent(self, w: Worker) -> Callable[[], None]:
         return lambda: self.sent.add(id(w))

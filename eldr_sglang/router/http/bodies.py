@@ -196,18 +196,17 @@ def _split(obj: dict, spec: dict, path: tuple, out: dict, max_batch: int) -> Non
                 del obj[key]
 
 
-def parse_object(raw: bytes) -> tuple:
-    """``("ok", body)`` for a JSON object orjson can also write back, else
-    ``("error", 400, message)``."""
+def parse_object(raw: bytes) -> dict:
+    """A JSON object orjson can also write back; BadRequest (400) otherwise."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
-        return "error", 400, f"invalid JSON body: {e}"
+        raise BadRequest(f"invalid JSON body: {e}") from None
     if not isinstance(body, dict):
-        return "error", 400, "request body must be a JSON object"
+        raise BadRequest("request body must be a JSON object")
     if too_deep(raw, body):
-        return "error", 400, f"invalid JSON body: nested deeper than {MAX_DEPTH} levels"
-    return "ok", body
+        raise BadRequest(f"invalid JSON body: nested deeper than {MAX_DEPTH} levels")
+    return body
 
 
 def prepare(raw: bytes, endpoint: str, max_batch: int, split: bool = False) -> tuple:
@@ -215,11 +214,8 @@ def prepare(raw: bytes, endpoint: str, max_batch: int, split: bool = False) -> t
     ``("error", status, message)``. ``split``: the bulky fields, and any other big
     value, leave ``body`` as JSON bytes in ``fragments`` ({path: bytes}; the parser
     process's answer stays small to unpickle)."""
-    parsed = parse_object(raw)
-    if parsed[0] == "error":
-        return parsed
-    body = parsed[1]
     try:
+        body = parse_object(raw)
         if endpoint == "generate":
             n = batch_size(body, max_batch)
         else:

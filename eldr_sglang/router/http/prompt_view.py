@@ -142,11 +142,8 @@ def prompt_view(raw: bytes, endpoint: Optional[str], max_batch: int) -> tuple:
     ``endpoint`` None: ``POST /eldr/score``, whose body names it (``endpoint``) or
     implies it (``messages``: chat, ``prompt``: completions, else ``/generate``).
     Only the view comes back from the parser process, never the body's other fields."""
-    parsed = parse_object(raw)
-    if parsed[0] == "error":
-        return parsed
-    body = parsed[1]
     try:
+        body = parse_object(raw)
         if endpoint is None:
             endpoint = score_endpoint(body)
         return "ok", bounded_view(body, endpoint, max_batch), endpoint

@@ -10,17 +10,20 @@ sglang-router does) instead of after the prefill's signature message.
 A request falls back to late binding when the live artifact has no predictor or the
 prompt has no token ids (e.g. ``input_embeds``). Each request's path is counted in
 ``eldr_router_route_path_total{mode="early", path="early"|"late"}``. The dispatch
-calls :meth:`EarlyBinding.route` once per request; everything else is this module's.
+awaits :meth:`EarlyBinding.route` once per request; everything else is this module's.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Optional
 
 import numpy as np
 
 from eldr_sglang.core.policies import RouteRequest
 from eldr_sglang.prompts import default_tokenizer_path, load_tokenizer
+from eldr_sglang.router.http.prompt_view import bounded_view
+from eldr_sglang.router.signals.prompt_work import PromptWork
 from eldr_sglang.router.signals.scoring import PredictedRouting, path_counter
 
 
@@ -31,6 +34,7 @@ class EarlyBinding:
     def __init__(self, config: Any, registry: Any, encoder: Callable[[], Any]) -> None:
         self.encoder, self.mode, self.margin = encoder, config.binding, float(config.binding_margin)
         self.counter = path_counter(registry)
+        self.work, self.max_batch = PromptWork(), int(config.max_batch)
         self._tok_path = config.tokenizer
         self._tokenizer: Any = None
         self._for: Any = None  # the artifact the cached PredictedRouting belongs to
@@ -48,23 +52,31 @@ class EarlyBinding:
             self._for = art
         return self._predicted
 
-    def route(self, body: dict, endpoint: str, label: Optional[str]) -> Optional[RouteRequest]:
-        """The predicted route to bind at arrival, or None (bind late)."""
+    async def route(self, body: dict, endpoint: str, label: Optional[str]) -> Optional[RouteRequest]:
+        """The predicted route to bind at arrival, or None (bind late). The prompt is
+        read through its bounded view and predicted on the prompt thread, never on the
+        event loop; a body whose prompt was kept as raw JSON (a big one) binds late."""
         if self.mode == "late":
             return None
         pr = self._routing()
         route = None
         if pr is not None:
             try:
-                items = pr.token_ids(body, endpoint)
-            except ValueError:
-                items = []
-            if items:
-                route, _ = pr.route(items, label)
-                if self.mode == "auto" and not self._confident(route.signature):
-                    route = None
+                route = await self.work.run(self._predict, pr, body, endpoint, label)
+            except ValueError:  # BadRequest included: no prompt the view can read
+                route = None
+            if route is not None and self.mode == "auto" and not self._confident(route.signature):
+                route = None
         self.counter.labels("early", "late" if route is None else "early").inc()
         return route
+
+    def _predict(self, pr: PredictedRouting, body: dict, endpoint: str,
+                 label: Optional[str]) -> Optional[RouteRequest]:
+        route, _ = pr.predict(bounded_view(body, endpoint, self.max_batch), endpoint)
+        return replace(route, label=label) if route is not None else None
+
+    def close(self) -> None:
+        self.work.close()
 
     def _confident(self, signature: np.ndarray) -> bool:
         sims = np.sort(self.encoder().centroids @ signature)

@@ -92,15 +92,22 @@ class PredictedRouting:
         return RouteRequest(signature=combine(sigs), label=label, activation=union(acts)), facts
 
 
-def decide(policy: Policy, route: RouteRequest, loads: Sequence[int],
-           allowed: Optional[Sequence[bool]] = None) -> tuple[Decision, str]:
-    """The policy's decision and the path it took (one of :data:`PATHS`)."""
-    dec = policy.explain(route, loads, allowed)
+def path_of(policy: Policy, route: RouteRequest, dec: Decision) -> str:
+    """The path a decision took (one of :data:`PATHS`)."""
     if dec.fallback is not None:  # the policy could not use its own rule (e.g. degenerate_cost)
-        return dec, "fallback"
+        return "fallback"
     if not getattr(policy, "needs_signature", False) and not getattr(policy, "uses_activation", False):
-        return dec, "blind"
-    return dec, "predicted" if route.signature is not None else "fallback"
+        return "blind"
+    return "predicted" if route.signature is not None else "fallback"
+
+
+def decide(policy: Policy, route: RouteRequest, loads: Sequence[int],
+           allowed: Optional[Sequence[bool]] = None, explain=None) -> tuple[Decision, str]:
+    """The policy's decision and the path it took. ``explain``: the routers' own
+    (:meth:`~eldr_sglang.router.flow.send.Sender.explain`: a request the policy cannot
+    take goes to the least loaded server), default ``policy.explain``."""
+    dec = explain(policy, route, loads, allowed) if explain is not None else policy.explain(route, loads, allowed)
+    return dec, path_of(policy, route, dec)
 
 
 class ScoreEndpoint:
@@ -114,9 +121,10 @@ class ScoreEndpoint:
 
     def __init__(self, routing, policy, servers, loads, counter: Counter, *, parser: BodyParser,
                  work: PromptWork, max_batch: int, body_limit: int = 32 << 20,
-                 body_timeout: Optional[float] = None, retry_after: Optional[int] = None) -> None:
+                 body_timeout: Optional[float] = None, retry_after: Optional[int] = None,
+                 explain=None) -> None:
         self.routing, self.policy, self.servers, self.loads = routing, policy, servers, loads
-        self.counter = counter
+        self.counter, self.explain = counter, explain
         self.parser, self.work, self.max_batch = parser, work, max_batch
         self.body_limit, self.body_timeout, self.retry_after = body_limit, body_timeout, retry_after
 
@@ -141,7 +149,7 @@ class ScoreEndpoint:
             return error_response(400, "the request has no prompt to score")
         policy = self.policy()
         urls = self.servers()
-        dec, path = decide(policy, route, self.loads())
+        dec, path = decide(policy, route, self.loads(), explain=self.explain)
         self.counter.labels("score", path).inc()
         sims = np.asarray(predicted.artifact.centroids, dtype=np.float32) @ route.signature
         server_sims = dec.server_similarities
