@@ -51,7 +51,7 @@ CASES: list[tuple[object, str]] = [
 
 async def scorer_app(request: web.Request) -> web.StreamResponse:
     doc = orjson.loads(await request.read())
-    answer = CASES[doc["fuzz"]][0]
+    answer = CASES[int(doc["text"].split(":")[1])][0]
     if answer == "slow":
         resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
         await resp.prepare(request)
@@ -87,7 +87,7 @@ async def test_scorer_answers_are_validated_and_no_client_request_fails():
             for rnd in range(2):
                 for i, (_, want) in enumerate(CASES):
                     t0 = time.perf_counter()
-                    async with http.post(aurl + "/generate", data=orjson.dumps({"text": "x", "fuzz": i}),
+                    async with http.post(aurl + "/generate", data=orjson.dumps({"text": f"fuzz:{i}"}),
                                          headers={"Content-Type": "application/json"}) as r:
                         await r.read()
                         seen.append((i, r.status, r.headers.get("X-ELDR-Path"), time.perf_counter() - t0))

@@ -20,10 +20,10 @@ from tests.integration.integrations_helpers import adapter
 
 
 class ToScorer:
-    """The ELDR decision stand-in: the body's ``to`` names the worker (index in the list)."""
+    """The ELDR decision stand-in: the prompt ``to:N`` names the worker (index in the list)."""
 
     async def choose(self, body, endpoint, workers, loads):
-        return Choice(workers[int(body["to"]) % len(workers)], 0)
+        return Choice(workers[int(body["text"].split(":")[1]) % len(workers)], 0)
 
     def release(self, choice):
         pass
@@ -45,7 +45,7 @@ async def rig(n: int, **kw):
 
 
 async def send(http, aurl, to: int):
-    async with http.post(aurl + "/generate", data=orjson.dumps({"text": "x", "to": to}),
+    async with http.post(aurl + "/generate", data=orjson.dumps({"text": f"to:{to}"}),
                          headers={"Content-Type": "application/json"}) as r:
         doc = orjson.loads(await r.read())
         assert r.status == 200, doc
@@ -68,7 +68,7 @@ class Traffic:
     async def _run(self) -> None:
         while True:
             to = self.rng.randrange(len(self.smg.urls))
-            async with self.http.post(self.aurl + "/generate", data=orjson.dumps({"text": "x", "to": to}),
+            async with self.http.post(self.aurl + "/generate", data=orjson.dumps({"text": f"to:{to}"}),
                                       headers={"Content-Type": "application/json"}) as r:
                 doc = orjson.loads(await r.read())
                 if r.status == 200:  # 503 while SMG is down
@@ -155,12 +155,15 @@ async def test_smg_restarts_are_detected_and_keys_relearned(down):
                 if r < 3:
                     if down:
                         smg.down = True
-                        await until(lambda: pre.unreachable, 30, "the pre-router sees SMG down")
+                        errors = pre.counters["discovery_errors"]
+                        await until(lambda: pre.counters["discovery_errors"] > errors or not pre.workers, 30,
+                                    "the pre-router sees SMG down")
                     smg.restart()
         finally:
             await traffic.stop()
         pinned, elsewhere = traffic.pinned(start)
         total = len(traffic.log) - start
+        assert pinned >= 0.5 * total, f"only {pinned} of {total} requests pinned: {dict(pre.counters)}"
         assert elsewhere <= (0.05 if down else 0.10) * pinned, f"{elsewhere} of {pinned} pinned served elsewhere"
         assert pre.counters["smg_restarts"] == 3 and wrong_keys(smg, pre) == {}
         print(f"\n3 restarts ({'with downtime' if down else 'instant'}): {elsewhere} of {pinned} pinned requests "
