@@ -61,6 +61,8 @@ def marginal_seconds(base_s: Any, per_seq_s: Any, per_expert_s: Any, max_batch: 
     t0 = base_s + per_seq_s * batch + per_expert_s * unique
     score = t0 + (batch + 1) * (per_seq_s + per_expert_s * added)
     queued = batch >= max_batch
+    if queued is False:  # Python numbers, the batch not full
+        return score
     if isinstance(queued, np.ndarray):
         if queued.any():
             score = np.where(queued, score + (batch - max_batch + 1) * (t0 + per_seq_s + per_expert_s * added),
