@@ -33,6 +33,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from eldr_sglang.router.http.bodies import BodyError, BodyParser
+from eldr_sglang.router.http.prompt_view import prompt_view
 from eldr_sglang.integrations.scorer import Choice, ScorerAnswerError, header_safe
 
 logger = logging.getLogger("eldr_sglang.integrations")
@@ -51,7 +53,8 @@ class PreRouter:
 
     def __init__(self, host_url: str, scorer: Any, *, refresh_s: float = 2.0, request_timeout: float = 600.0,
                  scorer_timeout: float = 0.25, quarantine_s: float = 30.0, record: int = 10000,
-                 control_token: Optional[str] = None, api_key: Optional[str] = None) -> None:
+                 control_token: Optional[str] = None, api_key: Optional[str] = None,
+                 max_batch: int = 256) -> None:
         self.host_url = host_url.rstrip("/")
         # bearer tokens for the pre-router's own calls: control plane (worker listing), data plane (probes)
         self.control_headers = {"Authorization": f"Bearer {control_token}"} if control_token else {}
@@ -67,6 +70,7 @@ class PreRouter:
         self.added_s: collections.deque = collections.deque(maxlen=record)  # decision time per request
         self.session: Optional[aiohttp.ClientSession] = None
         self.discovered = asyncio.Event()
+        self.parser, self.max_batch = BodyParser(), max_batch
         self._task: Optional[asyncio.Task] = None
         self._seq = 0
 
@@ -148,13 +152,14 @@ class PreRouter:
         t0 = time.perf_counter()
         raw = await request.read()
         endpoint = WORK[request.path]
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            body = None
+        try:  # the routers' bounded view, off the loop when big; a body it refuses goes unpinned
+            out = await self.parser.run(prompt_view, raw, endpoint, self.max_batch)
+        except BodyError:  # the parser queue is full: the host chooses
+            out = ("error",)
+        body = out[1] if out[0] == "ok" else None
         choice, path = await self.decide(body, endpoint)
         headers = self._forward_headers(request)
-        if body is not None and not any(k.lower() == "content-type" for k in headers):
+        if raw.lstrip()[:1] == b"{" and not any(k.lower() == "content-type" for k in headers):
             headers["Content-Type"] = JSON  # a JSON body without its type: hosts (SMG) want it
         pin = None
         if choice is not None:
@@ -318,6 +323,7 @@ class PreRouter:
         if self.session is not None:
             await self.session.close()
             self.session = None
+        self.parser.close()
 
 
 def _error(status: int, message: str) -> web.Response:
