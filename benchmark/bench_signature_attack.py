@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import random
 import signal
 import subprocess
@@ -150,6 +151,7 @@ async def _attack(url: str, port: int, opts: dict, flags) -> None:
 
 
 def attacker_main(url: str, port: int, opts: dict, flags) -> None:
+    os.nice(opts["attacker_nice"])  # a remote attacker's CPU is not this machine's
     asyncio.run(_attack(url, port, opts, flags))
 
 
@@ -273,7 +275,7 @@ async def measure(args: argparse.Namespace, tmp: Path) -> dict:
     ctx = multiprocessing.get_context("spawn")
     flags = {"active": ctx.Event(), "stop": ctx.Event()}
     opts = {k: getattr(args, k) for k in ("slot_conns", "partial_conns", "partial_bytes", "forged_rate",
-                                           "attacker_hosts")}
+                                           "attacker_hosts", "attacker_nice")}
     attacker = ctx.Process(target=attacker_main, args=(b.url, b.sig_port, opts, flags), daemon=True)
     try:
         attacker.start()
@@ -325,6 +327,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--partial-bytes", type=int, default=(64 << 20) // 65, help="bytes of each half-line")
     ap.add_argument("--attacker-hosts", type=int, default=16,
                     help="loopback source addresses the attacker spreads its connections over")
+    ap.add_argument("--attacker-nice", type=int, default=0,
+                    help="niceness of the attacker process (19: it takes only CPU nothing else wants)")
     ap.add_argument("--forged-rate", type=float, default=100.0, help="forged stale messages a second")
     ap.add_argument("--attack-warmup", type=float, default=3.0, help="seconds the attacker runs first")
     ap.add_argument("--json", default=str(RESULTS / "signature_attack.json"))
