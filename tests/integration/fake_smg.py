@@ -12,7 +12,7 @@ What it models, each checked on the real 0.3.2 with stub workers:
   request in flight there; unkeyed requests do not move it; a worker's line appears once
   a keyed request reached it), and ``smg_worker_pool_size``;
 * :meth:`restart`: keys forgotten, counters back to 0, new worker ids; ``down`` before
-  it models the time a restarting SMG does not answer (every endpoint 503).
+  it models the time a restarting SMG does not answer (connections closed unanswered).
 
 Model knobs: ``serve_s`` (how long a request stays at its decode worker),
 ``background_rps`` (other traffic, unkeyed: completions added to random workers'
@@ -49,7 +49,7 @@ class FakeSmg:
         self.healthy = set(self.urls)
         self.served: collections.Counter = collections.Counter()  # requests per worker name (all)
         self.restarts = 0
-        self.down = False  # between a stop and a restart: every endpoint answers 503
+        self.down = False  # between a stop and a restart: every connection is closed unanswered
         self._reset()
         self._runner: Optional[web.AppRunner] = None
         self._bg: Optional[asyncio.Task] = None
@@ -74,7 +74,7 @@ class FakeSmg:
     # ------------------------------------------------------------------ HTTP
     async def workers(self, request: web.Request) -> web.Response:
         if self.down:
-            return web.json_response({"error": "down"}, status=503)
+            return self._drop(request)
         if self.control_token and request.headers.get("Authorization") != f"Bearer {self.control_token}":
             return web.json_response({"error": "unauthorized"}, status=401)
         ws = [{"id": self.ids[u], "url": u, "worker_type": "decode", "is_healthy": u in self.healthy}
@@ -82,7 +82,15 @@ class FakeSmg:
         ws.append({"id": self.ids[self.prefill], "url": self.prefill, "worker_type": "prefill", "is_healthy": True})
         return web.json_response({"workers": ws, "total": len(ws)})
 
+    @staticmethod
+    def _drop(request: web.Request) -> web.Response:
+        """Down: the connection is closed without an answer (as a stopped process's)."""
+        request.transport.close()
+        return web.Response(status=503)
+
     async def metrics(self, request: web.Request) -> web.Response:
+        if self.down:
+            return self._drop(request)
         lines = [f'smg_worker_cb_outcomes_total{{worker="{u}",outcome="success"}} {n}'
                  for u, n in self.outcomes.items()]
         lines += [f'smg_worker_routing_keys_active{{worker="{u}"}} {sum(1 for c in a.values() if c > 0)}'
@@ -94,7 +102,9 @@ class FakeSmg:
     async def generate(self, request: web.Request) -> web.Response:
         await request.read()
         live = [u for u in self.urls if u in self.healthy]
-        if not live or self.down:
+        if self.down:
+            return self._drop(request)
+        if not live:
             return web.json_response({"error": "no workers"}, status=503)
         key = request.headers.get(KEY)
         if key:
