@@ -486,3 +486,22 @@ def test_unused_log_equals_the_reference_on_any_input():
         p[rng.integers(0, p.size, 5)] = rng.choice([np.nan, np.inf, -np.inf, -0.0, 0.0, 1.0, -1.0, 2.0], 5)
         for x in (p, p.astype(np.float64), p.reshape(1, -1), p[::2]):
             assert _same(unused_log(x), _reference_unused_log(x)), trial
+
+
+def test_the_most_similar_of_a_large_band_equals_the_reference_pick():
+    """eldr_balanced's numpy pick over a band of more than 16 servers (the sequences above stay
+    below): the reference's ``max(band, key=(similarity, -cost))``, ties and NaN included."""
+    from eldr_sglang.core.policies.eldr_balanced import _most_similar
+
+    rng = np.random.default_rng(11)
+    for trial in range(2000):
+        n = int(rng.integers(17, 160))
+        sims = rng.choice([0.1, 0.2, 0.3], n).astype(np.float32) if trial % 3 == 0 else \
+            rng.random(n).astype(np.float32)
+        if trial % 17 == 0:
+            sims[rng.integers(0, n)] = np.nan
+        costs = rng.choice([1.0, 2.0], n) if trial % 2 else rng.random(n)
+        band = sorted(rng.choice(n, int(rng.integers(1, n + 1)), replace=False).tolist())
+        sl = sims.tolist()
+        want = max(band, key=lambda i: (sl[i], -costs[i]))
+        assert _most_similar(band, sims, list(costs)) == want == _most_similar(band, sims, costs), trial

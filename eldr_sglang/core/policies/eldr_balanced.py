@@ -217,18 +217,20 @@ class EldrBalancedPolicy(StateAwarePolicy):
 
 def _most_similar(band: list[int], sims: np.ndarray, costs) -> int:
     """``max(band, key=(similarity, -cost))``: the most similar server of the band, the
-    cheaper of equally similar ones, then the first (numpy over the band; Python where a
-    similarity is not a number, as Python's comparisons order those)."""
-    at = np.asarray(band, dtype=np.intp)
-    s = sims[at]
-    top = s.max()
-    if top != top:
-        sl = sims.tolist()
-        return max(band, key=lambda i: (sl[i], -costs[i]))
-    tied = at[s == top]
-    if tied.size == 1:
-        return int(tied[0])
-    return int(tied[int(np.asarray(costs, dtype=np.float64)[tied].argmin())])
+    cheaper of equally similar ones, then the first. Python for a band of up to 16 servers
+    (measured: half the time of numpy at 6) or where a similarity is not a number (as
+    Python's comparisons order those); numpy over a larger band (0.7x Python's time at 24)."""
+    if len(band) > 16:
+        at = np.asarray(band, dtype=np.intp)
+        s = sims[at]
+        top = s.max()
+        if top == top:
+            tied = at[s == top]
+            if tied.size == 1:
+                return int(tied[0])
+            return int(tied[int(np.asarray(costs, dtype=np.float64)[tied].argmin())])
+    sl = sims.tolist()
+    return max(band, key=lambda i: (sl[i], -costs[i]))
 
 
 def _candidate_list(n: int, allowed) -> list[int]:
