@@ -149,7 +149,7 @@ class EldrBalancedPolicy(StateAwarePolicy):
         cand = self._capped(_candidate_list(n, allowed), loads)
         if prm.sim_band is not None and self.ownership is not None and request.signature is not None:
             return self._band_first(request, loads, cand)
-        vector = self._vectorised(n)
+        vector = n >= self.VECTOR_MIN and self._inline_score  # _vectorised, without the call
         costs = self._cost_array(request, loads) if vector else self._costs(request, loads)
         if not math.isfinite(costs.sum() if vector else sum(costs)):  # never from this state, nor an exception
             return self._fallback("degenerate_cost", loads, cand)

@@ -356,7 +356,7 @@ class StateAwarePolicy(Policy):
         n = len(loads)
         if rows is None or len(rows) >= n:
             rows = None
-            if self._vectorised(n):
+            if n >= self.VECTOR_MIN and self._inline_score:  # _vectorised, without the call
                 return self._cost_array(request, loads).tolist()
         if request.activation is None or self.log_free is None:
             du = [0.0] * n
@@ -377,18 +377,19 @@ class StateAwarePolicy(Policy):
                     du[i] = d
             else:
                 du = self._added_experts(p)
-        out = [math.inf] * n
         if self._inline_score and not any(self.laws):  # one law: marginal_seconds, one call per server
-            base, ps, pe, full = self._law_arrays()
-            price = marginal_seconds
+            c = self.cost
+            base, ps, pe, full, price = c.base_s, c.per_seq_s, c.per_expert_s, c.max_batch, marginal_seconds
             if rows is None:
                 return [price(base, ps, pe, full, loads[k], u[k], du[k]) for k in range(n)]
+            out = [math.inf] * n
             for k in rows:
                 out[k] = price(base, ps, pe, full, loads[k], u[k], du[k])
             return out
         score = self._score
         if rows is None:
             return [score(k, loads[k], u[k], du[k]) for k in range(n)]
+        out = [math.inf] * n
         for k in rows:
             out[k] = score(k, loads[k], u[k], du[k])
         return out
