@@ -180,8 +180,9 @@ class SignatureIntake:
 
     def _wake(self, msg: dict, e: SignatureError, enc: Any) -> bool:
         """Wake the request waiting for the room of an authenticated but refused message
-        (it falls back at once, with the reason); True if one was waiting. Replays never:
-        their room's message was taken already."""
+        (it falls back at once, with the reason; replays never: their room's message was
+        taken already). True when the dispatch counts the refusal (a waiter woken while an
+        encoder is live), so the intake does not count it twice."""
         if e.reason == "replay" or not self.board.refuse(msg["bootstrap_room"], e.reason, str(e),
                                                          msg.get("layers")):
             return False
