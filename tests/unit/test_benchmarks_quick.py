@@ -55,7 +55,8 @@ SLOW = {"bench_online.py": [],  # its --quick replays 2,000 arrivals per scenari
         "bench_soak.py": [],  # a router process under faults: 25 s warm-up, 20 s measured (about 1 min)
         "bench_signature_attack.py": []}  # a router process and an attacker process: 2 x 20 s (about 1 min)
 NEEDS_PROMPT_TRACES = {"bench_predicted_signatures.py": ["--workloads", "task", "--no-sim"]}
-COVERED_ELSEWHERE = {"bench_default_policy.py"}  # tests/unit/test_sim_report.py runs --quick
+COVERED_ELSEWHERE = {"bench_default_policy.py",  # tests/unit/test_sim_report.py runs --quick
+                     "render_results.py"}  # tests/unit/test_render_results.py: its pages are current
 
 
 def run_quick(script: str, extra: list[str], out: Path) -> subprocess.CompletedProcess:
