@@ -22,6 +22,7 @@ import numpy as np
 
 from eldr_sglang.core.policies import RouteRequest
 from eldr_sglang.prompts import default_tokenizer_path, load_tokenizer
+from eldr_sglang.router.http.bodies import BodyError
 from eldr_sglang.router.http.prompt_view import bounded_view
 from eldr_sglang.router.signals.prompt_work import PromptWork
 from eldr_sglang.router.signals.scoring import PredictedRouting, path_counter
@@ -63,7 +64,7 @@ class EarlyBinding:
         if pr is not None:
             try:
                 route = await self.work.run(self._predict, pr, body, endpoint, label)
-            except ValueError:  # BadRequest included: no prompt the view can read
+            except (ValueError, BodyError):  # no prompt the view can read; the prompt thread busy
                 route = None
             if route is not None and self.mode == "auto" and not self._confident(route.signature):
                 route = None
