@@ -15,9 +15,9 @@ told every server's true batch with each poll (the engines' ``/eldr/batch`` read
 the load poll, ``--engine-metrics``). ``--oracle`` adds the earlier, optimistic model:
 "engine" replicas that see every server's true in-flight count at every decision.
 ``--reckon`` adds "reckon" replicas: "engine" replicas that count their own net change
-since the poll ``1 + s (R - 1)`` times (``s = --reckon-share``, default 1: R replicas
-share the traffic, so each expects the others to have started about as many requests
-as itself): a candidate remedy of the router's load view, not what the router does.
+since the poll ``1 + s (R - 1)`` times (``s = --reckon-share``, default 0.5): the router's
+view with ``--routers R`` (``reckon_factor`` and ``reckoned_load`` of
+``eldr_sglang/router/pool/workers.py``, the router's own functions).
 
 Reported per workload and rate, over seeds (mean, and the standard error of the paired
 differences): median and P99 TPOT gain over JSQ (one router, the better balancer at
@@ -38,6 +38,7 @@ from benchmark.bench_default_policy import candidate_policy
 from benchmark.common import QUICK_OUT, command_line, markdown_table, write_record
 from benchmark.routing_cache import routing_for
 from eldr_sglang.core.policies import PolicyContext, build_policy
+from eldr_sglang.router.pool.workers import RECKON_SHARE, reckon_factor, reckoned_load
 from eldr_sglang.sim import experiments
 from eldr_sglang.sim.calibration import prefill_activations
 from eldr_sglang.sim.simulator import SimConfig, simulate
@@ -61,9 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--oracle", action="store_true",
                     help="also run replicas that see the true in-flight counts at every decision")
     ap.add_argument("--reckon", action="store_true",
-                    help="also run replicas that count their own change since the poll R times (a candidate remedy)")
-    ap.add_argument("--reckon-share", type=float, default=1.0,
-                    help="reckon: the share of the other replicas' traffic assumed to match this one's")
+                    help="also run replicas that count their own change since the poll 1 + s (R - 1) times "
+                         "(the router's --routers R)")
+    ap.add_argument("--reckon-share", type=float, default=RECKON_SHARE,
+                    help="reckon: s, the share of the other replicas' traffic assumed to match this one's "
+                         "(the router's: %(default)s)")
+    ap.add_argument("--reckon-as", type=int, default=None,
+                    help="reckon: the R replicas assume (the router's --routers; default: the true count), "
+                         "to measure a wrong --routers")
     ap.add_argument("--replicas", default=None, help="comma-separated replica counts (default 2,4)")
     ap.add_argument("--cost", default="qwen3-30b-a3b-mi300x")
     ap.add_argument("--traces-root", type=Path, default=HERE / "traces")
@@ -80,13 +86,14 @@ class PolledReplica:
     list it updates in place) and calls ``observe_engine`` on its report ticks (every
     ``poll / TICKS`` s). This wrapper polls on every ``TICKS``-th tick from its own
     phase: it keeps each server's count then and its own in-flight count then, and
-    hands the policy what the router computes from them (``Worker.load``): the polled
-    count plus its own requests started since, never less than its own in-flight count;
+    hands the policy what the router computes from them (``Worker.load``, through the
+    router's ``reckoned_load``): the polled count plus its own requests started since
+    (``reckon`` times), never less than its own in-flight count;
     before the first poll, its own in-flight count. Engine-reported batches reach the
     policy on its polls only, and only when ``engine`` (else the policy prices its own
     requests alone)."""
 
-    def __init__(self, policy, k: int, phase: int, engine: bool, reckon: float = 1.0):
+    def __init__(self, policy, k: int, phase: int, engine: bool, reckon: float = 1):
         self.policy, self.engine, self.phase, self.reckon = policy, engine, phase, reckon
         self.own = [0] * k
         self.reported: list[int] | None = None
@@ -101,7 +108,7 @@ class PolledReplica:
         if self.reported is None:
             return list(self.own)
         m = self.reckon
-        return [max(o, r + m * (o - a)) for o, r, a in zip(self.own, self.reported, self.own_at_poll)]
+        return [reckoned_load(o, r, a, m) for o, r, a in zip(self.own, self.reported, self.own_at_poll)]
 
     def choose(self, request, loads, allowed=None) -> int:
         self.loads = loads
@@ -131,7 +138,7 @@ class PolledReplica:
 
 
 def run(data, routing, acts, cfg: SimConfig, variant: str, replicas: int, poll: float = REPORT_S,
-        reckon_share: float = 1.0) -> dict:
+        reckon_share: float = RECKON_SHARE, reckon_as: int | None = None) -> dict:
     """Median and P99 TPOT (ms) of one SIMULATED run of ``variant``: "jsq" (one router), "own" /
     "engine" (replicas polling every ``poll`` s, see ``PolledReplica``), "oracle" (replicas told
     the true in-flight counts at every decision and the true batches every ``poll`` s)."""
@@ -145,7 +152,8 @@ def run(data, routing, acts, cfg: SimConfig, variant: str, replicas: int, poll: 
         else:
             phases = np.random.default_rng([cfg.seed, 0xB011]).integers(0, TICKS, replicas)
             wrapped = [PolledReplica(p, k, int(ph), variant in ("engine", "reckon"),
-                                     1 + reckon_share * (replicas - 1) if variant == "reckon" else 1)
+                                     reckon_factor(reckon_as or replicas, reckon_share)
+                                     if variant == "reckon" else 1)
                        for p, ph in zip(pols, phases)]
             res = simulate(data.sim, wrapped, cfg, routing.eldr_signatures, activations=acts,
                            engine_report_s=poll / TICKS)
@@ -162,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     g["poll_s"] = a.poll
     if a.reckon:
         g["reckon_share"] = a.reckon_share
+        if a.reckon_as:
+            g["reckon_as"] = a.reckon_as
     if a.replicas:
         g["replicas"] = tuple(int(x) for x in a.replicas.split(","))
     a.json = a.json or (QUICK_OUT / "replicas.json" if a.quick else HERE / "results" / "replicas.json")
@@ -182,11 +192,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "x1": run(data, routing, acts, cfg, "own", 1, a.poll)}
                 for r in g["replicas"]:
                     for variant in variants:
-                        row[f"x{r}-{variant}"] = run(data, routing, acts, cfg, variant, r, a.poll, a.reckon_share)
+                        row[f"x{r}-{variant}"] = run(data, routing, acts, cfg, variant, r, a.poll, a.reckon_share,
+                                                     a.reckon_as)
                 rows.append(row)
                 print("  " + "  ".join(f"{k}={v['median']:.2f}/{v['p99']:.1f}" if isinstance(v, dict)
                                        else f"{k}={v}" for k, v in row.items()), flush=True)
-    table = summarise(rows, g["replicas"], variants, a.poll)
+    table = summarise(rows, g["replicas"], variants, a.poll, a.reckon_as)
     print("\n".join(table))
     write_record(a.json, {"command": command_line(__file__, argv), "simulated": True, "grid": g, "rows": rows,
                           "table": table})
@@ -195,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def summarise(rows: list[dict], replicas: Sequence[int], variants: Sequence[str] = ("own", "engine"),
-              poll: float = REPORT_S) -> list[str]:
+              poll: float = REPORT_S, reckon_as: int | None = None) -> list[str]:
     """Per (workload, rate, statistic): gain over JSQ of one router, and each setting's share of it."""
     cols = ["x1"] + [f"x{r}-{v}" for r in replicas for v in variants]
     out = []
@@ -216,7 +227,10 @@ def summarise(rows: list[dict], replicas: Sequence[int], variants: Sequence[str]
     return [f"SIMULATED: median and P99 TPOT gain of the default policy over JSQ (one router); R replicas each "
             f"take a random share of arrivals and see their last load poll (every {poll:g} s) plus their own "
             f"requests since; 'engine': true batches reported with each poll; 'oracle': true in-flight counts "
-            f"at every decision", "",
+            f"at every decision" + ("; 'reckon': engine replicas counting their own change since the poll "
+                                    f"1 + s (R - 1) times, the router's view with --routers R"
+                                    + (f", here all with R = {reckon_as}" if reckon_as else "") if "reckon" in variants
+                                    else ""), "",
             *markdown_table(["workload", "req/s", "TPOT", "JSQ ms", *cols], out).splitlines()]
 
 

@@ -162,6 +162,8 @@ def router_deployment(cluster: Cluster, launch: Launch, metadata: dict, labels: 
     resources = {"requests": {"cpu": str(workers), "memory": f"{ROUTER_MEMORY_GI_PER_WORKER * workers}Gi"}}
     container = _container("router", image, launch, router_ports(launch), env, resources,
                            {"readinessProbe": ROUTER_READY, "livenessProbe": ROUTER_LIVE}, mounts, ROUTER_PROBE_PATHS)
+    if replicas > 1 and "--routers" not in launch.argv:  # each counts the others' unseen requests
+        container["command"] += ["--routers", str(replicas)]
     pod = _pod([container], volumes, labels, annotations, int(drain) + 15, node_name)
     # replicas on different nodes where possible: one node's loss leaves the others serving
     pod["spec"]["affinity"] = {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [

@@ -285,6 +285,7 @@ def test_namespace_replicas_cuda_and_pinning(tmp_path):
     check_cross_references(docs)
     (router,) = files["50-router.yaml"]
     assert router["spec"]["replicas"] == 3
+    assert pod_spec(router)["containers"][0]["command"][-2:] == ["--routers", "3"]
     nodes = {l.name: l.node for l in build_launches(parse_cluster(doc))}
     for w in files["30-prefill.yaml"] + files["40-decode.yaml"]:
         (c,) = pod_spec(w)["containers"]

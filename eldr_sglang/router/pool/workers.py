@@ -4,7 +4,10 @@ Load of a decode server = what it reported on its last ``GET /v1/loads`` poll
 (running + waiting requests of every router that uses it) plus this router's own
 requests started there since, never less than this router's own in-flight count.
 So router replicas and ``--workers`` processes see each other's traffic within one
-``load_interval`` and do not herd onto one server.
+``load_interval`` and do not herd onto one server. With R routers sharing the
+servers (``--routers`` x ``--workers``), the own change since the poll counts
+``1 + 0.5 (R - 1)`` times: the others are assumed to have started half as many
+requests there as this one since (``reckoned_load``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,26 @@ from eldr_sglang.router.config import RouterConfig, validate_worker_url
 from eldr_sglang.router.metrics import RouterMetrics, WorkerMetrics
 
 logger = logging.getLogger("eldr_sglang.router")
+
+# the share of each other router's traffic since the last poll assumed to match this
+# router's (benchmark/bench_replicas.py --reckon: at 4 replicas and 60 req/s, 0.5 keeps
+# 93-103% of one router's P99 gain where 0 keeps 26-47%, and 1 costs median gain)
+RECKON_SHARE = 0.5
+
+
+def reckon_factor(routers: int, share: float = RECKON_SHARE) -> float:
+    """How many times a router counts its own change since the last load poll when
+    ``routers`` processes share the decode servers: ``1 + share (routers - 1)``;
+    exactly the int 1 for one router (loads stay ints, today's view)."""
+    return 1 if routers <= 1 else 1 + share * (routers - 1)
+
+
+def reckoned_load(own: int, reported: int, own_at_report: int, factor: float = 1) -> float:
+    """A decode server's load as one router sees it: the last polled count, plus its own
+    in-flight change since that poll ``factor`` times (``reckon_factor``: the other
+    routers' unseen traffic), never less than its own in-flight count. The router's
+    ``Worker.load`` and the replica simulator (benchmark/bench_replicas.py) both use it."""
+    return max(own, reported + factor * (own - own_at_report))
 
 
 def _host_of(url: str) -> str:
@@ -53,6 +76,7 @@ class Worker:
     reported: Optional[int] = None  # running + waiting at the last load poll
     inflight_at_report: int = 0  # own in-flight count at that poll
     loads_supported: bool = True  # False once /v1/loads answered 404
+    reckon: float = 1  # reckon_factor of the routers sharing it: own change since the poll x this
     host: str = field(init=False)
     _endpoints: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -73,7 +97,7 @@ class Worker:
     def load(self) -> int:
         if self.reported is None:
             return self.inflight
-        return max(self.inflight, self.reported + self.inflight - self.inflight_at_report)
+        return reckoned_load(self.inflight, self.reported, self.inflight_at_report, self.reckon)
 
     def update_gauges(self) -> None:
         m = self.metrics
@@ -115,6 +139,7 @@ class WorkerPool:
         c = self.config
         w = Worker(url, role, CircuitBreaker(c.breaker_threshold, c.health_cooldown),
                    self.metrics.worker(role, url), bootstrap_port)
+        w.reckon = reckon_factor(c.routers * c.workers)
         w.update_gauges()
         return w
 
