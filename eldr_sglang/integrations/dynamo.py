@@ -24,11 +24,14 @@ answers such a pin 400 while it lists prefill workers (1.6.1 in disaggregated mo
 not a refused worker: the request goes unpinned, a WARNING says so once, and both
 headers are sent from then on.
 
-A 503 is also Dynamo's admission control ("all workers busy", per-worker busy
-thresholds): a 503 whose text says busy, overload or capacity is ``busy``: the request
-is retried unpinned and the worker is NOT quarantined (counter ``pinned_busy``); any
-other 400/404/503 to a pin is a refused worker (quarantined when the unpinned retry
-succeeds).
+Dynamo's admission control (busy thresholds: ``--active-decode-blocks-threshold``,
+``--active-prefill-tokens-threshold[-frac]``) answers, checked on the 1.6.1 frontend over
+mockers, ``529 {"message":"Service temporarily overloaded","type":"Overloaded","code":529}``
+both for a busy pinned worker (while others are free) and for all workers busy; the status
+is ``DYN_HTTP_OVERLOAD_STATUS_CODE`` (e.g. 503) with the same text. A 529, or a 503 whose
+text says busy, overload or capacity, is ``busy``: the request is retried unpinned and
+the worker is NOT quarantined (counter ``pinned_busy``); any other 400/404/503 to a pin
+is a refused worker (quarantined when the unpinned retry succeeds).
 """
 
 from __future__ import annotations
@@ -47,12 +50,14 @@ logger = logging.getLogger("eldr_sglang.integrations")
 DECODE_HEADER = "x-dynamo-worker-instance-id"
 PREFILL_HEADER = "x-dynamo-prefill-instance-id"
 BUSY = re.compile(rb"busy|overload|capacity|too many requests", re.I)
+OVERLOADED = 529  # Dynamo 1.6.1's admission-control status unless DYN_HTTP_OVERLOAD_STATUS_CODE says otherwise
 
 
 class DynamoPreRouter(PreRouter):
     kind = "dynamo"
-    # 400: an instance id the frontend does not know; 503: one it lists but cannot reach
-    repin_statuses = frozenset({400, 404, 503})
+    # 400: an instance id the frontend does not know; 503: one it lists but cannot reach;
+    # 529: Dynamo's "Service temporarily overloaded" (its default DYN_HTTP_OVERLOAD_STATUS_CODE)
+    repin_statuses = frozenset({400, 404, 503, OVERLOADED})
 
     def __init__(self, frontend_url: str, scorer: Any, *, decode_component: str = "backend",
                  prefill_component: str = "prefill", endpoint: str = "generate",
@@ -88,7 +93,7 @@ class DynamoPreRouter(PreRouter):
         return headers
 
     def refusal(self, status: int, detail: bytes, pin: dict[str, str]) -> str:
-        if status == 503 and BUSY.search(detail):
+        if status == OVERLOADED or (status == 503 and BUSY.search(detail)):
             return "busy"
         if status == 400 and PREFILL_HEADER not in pin and self.prefills and not self.pin_prefill:
             self.pin_prefill = True

@@ -102,6 +102,8 @@ class LocalDynamo:
     n_decode: int = 2
     speedup: float = 10.0
     router_mode: str = "kv"
+    frontend_args: Sequence[str] = ()  # extra flags of dynamo.frontend (e.g. busy thresholds)
+    mocker_args: Sequence[str] = ()  # extra flags of every dynamo.mocker (e.g. --num-gpu-blocks-override)
     python: Path = field(default_factory=dynamo_python)
     log_dir: Optional[Path] = None
     procs: dict[str, Proc] = field(default_factory=dict)
@@ -139,8 +141,9 @@ class LocalDynamo:
         try:
             self._spawn("broker", [py, "-c", BROKER, str(self.xsub), str(self.xpub)])
             self._spawn("frontend", [py, "-m", "dynamo.frontend", "--router-mode", self.router_mode,
-                                     "--http-host", "127.0.0.1", "--http-port", str(port)])
-            mock = [py, "-m", "dynamo.mocker", "--model-path", self.model, "--speedup-ratio", str(self.speedup)]
+                                     "--http-host", "127.0.0.1", "--http-port", str(port), *self.frontend_args])
+            mock = [py, "-m", "dynamo.mocker", "--model-path", self.model, "--speedup-ratio", str(self.speedup),
+                    *self.mocker_args]
             for i in range(self.n_prefill):
                 self._spawn(f"prefill{i}", [*mock, "--disaggregation-mode", "prefill"])
             for i in range(self.n_decode):
@@ -154,7 +157,8 @@ class LocalDynamo:
 
     def start_decode(self, name: str) -> Proc:
         return self._spawn(name, [str(self.python), "-m", "dynamo.mocker", "--model-path", self.model,
-                                  "--speedup-ratio", str(self.speedup), "--disaggregation-mode", "decode"])
+                                  "--speedup-ratio", str(self.speedup), *self.mocker_args,
+                                  "--disaggregation-mode", "decode"])
 
     def health(self) -> dict:
         with urllib.request.urlopen(self.url + "/health", timeout=5) as r:

@@ -11,6 +11,7 @@ cannot be installed or imported; ELDR_SKIP_DYNAMO=1 skips without trying)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 
@@ -137,3 +138,66 @@ async def test_dynamo_adapter_failure_falls_back_to_dynamo_choice(dynamo):
                              headers={"Content-Type": "application/json"}) as r:
             assert r.status >= 400
         assert not pre.quarantined
+
+
+class Pick:
+    """Always the decode instance ``worker`` (set once the instances are known)."""
+
+    def __init__(self) -> None:
+        self.worker = ""
+
+    async def choose(self, body, endpoint, workers, loads):
+        from eldr_sglang.integrations import Choice
+        return Choice(self.worker, 0)
+
+    def release(self, choice):
+        pass
+
+
+async def test_real_frontend_busy_answer_and_decode_only_pin(dynamo_ready):
+    """Dynamo 1.6.1's own admission control: a pinned decode worker over its busy threshold
+    is answered 529 "Service temporarily overloaded"; the pre-router retries unpinned
+    (Dynamo picks the free worker) and quarantines nothing. A decode-only pin is answered
+    400 in disaggregated mode: retried, then both headers from the next request on."""
+    import asyncio
+
+    import aiohttp
+
+    log_dir = LOG_DIR / "dynamo_busy"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    d = LocalDynamo(log_dir=log_dir, speedup=1.0, frontend_args=["--active-decode-blocks-threshold", "0.0001"])
+    d.start()
+    try:
+        busy, free = d.instances("backend")
+        pick = Pick()
+        pre = DynamoPreRouter(d.url, pick, refresh_s=0.2, quarantine_s=60, pin_prefill=False)
+        async with adapter(pre) as (aurl, http):
+            await until(lambda: len(pre.workers) == 2 and pre.prefills, 30, "instances mapped")
+            pick.worker = free
+            served, pinned, path = await send(http, aurl, d.model_name, 0, seed=1, rid="d0")
+            assert path == "retried_decode_only" and not pre.quarantined and pre.pin_prefill
+            served, pinned, path = await send(http, aurl, d.model_name, 0, seed=2, rid="d1")
+            assert path == "pinned" and served == pinned == free
+            # a long request keeps `busy` over its threshold (pinned straight at the frontend)
+            async def long_request():
+                async with http.post(d.url + "/v1/completions", headers={
+                        "x-dynamo-worker-instance-id": busy, "x-dynamo-prefill-instance-id": pre.prefills[0]},
+                        json={"model": d.model_name, "prompt": "long " * 500, "max_tokens": 4000}) as r:
+                    await r.read()
+
+            hold = asyncio.create_task(long_request())
+            await asyncio.sleep(1.5)
+            body = {"model": d.model_name, "prompt": "short", "max_tokens": 2}
+            async with http.post(d.url + "/v1/completions", json=body, headers={
+                    "x-dynamo-worker-instance-id": busy, "x-dynamo-prefill-instance-id": pre.prefills[0]}) as r:
+                raw = await r.read()
+                assert r.status == 529 and b"Service temporarily overloaded" in raw, (r.status, raw)
+            pick.worker = busy
+            served, pinned, path = await send(http, aurl, d.model_name, 0, seed=3, rid="b0")
+            assert path == "retried_busy" and served == free and pinned == "-"
+            assert not pre.quarantined and pre.counters["pinned_busy"] == 1
+            hold.cancel()
+            with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                await hold
+    finally:
+        d.stop()

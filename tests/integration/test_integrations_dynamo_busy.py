@@ -1,15 +1,17 @@
-"""Dynamo's 503 for admission control ("all workers busy") is not a refused worker, and
-the decode-only pin: against an in-process model of the Dynamo 1.6.1 frontend
-(``/health`` instances, the two pin headers, 400 for an unknown instance or a decode
-header alone in disaggregated mode, 503 for a busy worker), loopback only. The busy
-answer's text is this model's; the real frontend's wording is matched by the words
-busy / overload / capacity (see eldr_sglang.integrations.dynamo)."""
+"""Dynamo's admission control (a busy worker) is not a refused worker, and the
+decode-only pin: against an in-process model of the Dynamo 1.6.1 frontend (``/health``
+instances, the two pin headers, 400 for an unknown instance or a decode header alone in
+disaggregated mode, loopback only). The busy answer is the real 1.6.1 frontend's, as it
+answered over ``dynamo.mocker`` workers with ``--active-decode-blocks-threshold``: 529
+``Service temporarily overloaded`` by default, the same body under 503 with
+``DYN_HTTP_OVERLOAD_STATUS_CODE=503`` (see eldr_sglang.integrations.dynamo)."""
 
 from __future__ import annotations
 
 import contextlib
 
 import orjson
+import pytest
 from aiohttp import web
 
 from eldr_sglang.integrations import Choice, DynamoPreRouter
@@ -17,15 +19,18 @@ from eldr_sglang.integrations.dynamo import DECODE_HEADER, PREFILL_HEADER
 from tests.helpers import until
 from tests.integration.integrations_helpers import adapter
 
-BUSY_TEXT = {"error": {"message": "Service temporarily unavailable: all workers are busy, retry later",
-                       "type": "service_unavailable", "code": 503}}
+
+def busy_answer(status: int) -> web.Response:  # the body the 1.6.1 frontend sent
+    return web.json_response({"message": "Service temporarily overloaded", "type": "Overloaded", "code": status},
+                             status=status)
 
 
 class FakeFrontend:
-    """Decode instances 11, 12, prefill 21; ``busy`` decode ids answer 503 when pinned."""
+    """Decode instances 11, 12, prefill 21; ``busy`` decode ids answer ``busy_status`` (529 or 503) when pinned."""
 
-    def __init__(self, decode_only_ok: bool = False, token: str | None = None) -> None:
+    def __init__(self, decode_only_ok: bool = False, token: str | None = None, busy_status: int = 529) -> None:
         self.busy: set[str] = set()
+        self.busy_status = busy_status
         self.decode_only_ok, self.token = decode_only_ok, token
         self.seen: list[tuple[str | None, str | None]] = []
 
@@ -47,12 +52,12 @@ class FakeFrontend:
                 return web.json_response({"error": {"message": "disaggregated: both instance ids needed"}},
                                          status=400)
             if dec in self.busy:
-                return web.json_response(BUSY_TEXT, status=503)
+                return busy_answer(self.busy_status)
             served = dec
         else:
             free = [d for d in ("11", "12") if d not in self.busy]
             if not free:
-                return web.json_response(BUSY_TEXT, status=503)
+                return busy_answer(self.busy_status)
             served = free[0]
         return web.Response(body=orjson.dumps({"choices": [{"text": "ok"}],
                                                "nvext": {"worker_id": {"decode_worker_id": int(served)}}}),
@@ -93,8 +98,9 @@ async def post(http, url):
         return r.status, r.headers.get("X-ELDR-Path"), (doc.get("nvext") or {}).get("worker_id", {})
 
 
-async def test_a_busy_worker_is_not_quarantined():
-    async with frontend() as (fe, furl):
+@pytest.mark.parametrize("busy_status", [529, 503])  # 1.6.1's default; DYN_HTTP_OVERLOAD_STATUS_CODE=503
+async def test_a_busy_worker_is_not_quarantined(busy_status):
+    async with frontend(busy_status=busy_status) as (fe, furl):
         pre = DynamoPreRouter(furl, Pick("11"), refresh_s=0.1, quarantine_s=60)
         async with adapter(pre) as (aurl, http):
             await until(lambda: len(pre.workers) == 2 and pre.prefills, 10, "instances mapped")
@@ -106,9 +112,9 @@ async def test_a_busy_worker_is_not_quarantined():
             fe.busy = set()
             status, path, wid = await post(http, aurl)  # pinned again at once
             assert (status, path, wid["decode_worker_id"]) == (200, "pinned", 11)
-            fe.busy = {"11", "12"}  # all busy: the client gets Dynamo's own 503
+            fe.busy = {"11", "12"}  # all busy: the client gets Dynamo's own answer
             status, path, _ = await post(http, aurl)
-            assert status == 503 and not pre.quarantined
+            assert status == busy_status and path == "retried_busy" and not pre.quarantined
         # an unknown instance is still a refused worker: quarantined
         pre = DynamoPreRouter(furl, Pick("99"), refresh_s=0.1, quarantine_s=60)
         pre.set_workers = lambda ws, _s=pre.set_workers: _s([*ws, "99"])

@@ -52,6 +52,7 @@ PROCESSES = {"bench_burst.py": [], "bench_serving_routers.py": ["--paths", "eldr
              "bench_router_cpu.py": []}
 SLOW = {"bench_online.py": [],  # its --quick replays 2,000 arrivals per scenario: about 3 min on 2 cores
         "bench_integrations.py": [],  # starts SMG + stub worker + pre-router processes (about 1 min)
+        "bench_dynamo_prefill.py": [],  # Dynamo frontend + 4 mockers (about 10 s; records a skip without Dynamo)
         "bench_soak.py": [],  # a router process under faults: 25 s warm-up, 20 s measured (about 1 min)
         "bench_signature_attack.py": []}  # a router process and an attacker process: 2 x 20 s (about 1 min)
 NEEDS_PROMPT_TRACES = {"bench_predicted_signatures.py": ["--workloads", "task", "--no-sim"]}
