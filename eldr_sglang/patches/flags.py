@@ -22,7 +22,6 @@ import sys
 from dataclasses import Field, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
-from urllib.parse import urlparse
 
 logger = logging.getLogger("eldr_sglang")
 ENV_KEY = "ELDR_ENGINE_CONFIG"
@@ -59,18 +58,15 @@ def _layers(value: str) -> tuple[int, ...] | str:
 def _url(value: str) -> str:
     if value == REQUEST_ONLY:
         return value
-    u = urlparse(value)
+    from eldr_sglang import transports
+
     try:
-        port = u.port
-    except ValueError:
-        port = None
-    if u.scheme in ("http", "https") and u.netloc:
-        return value
-    if u.scheme == "tcp" and u.hostname and port:
-        return value
-    raise ValueError("expected http://router:8000/eldr/signature, tcp://router:PORT (the router's "
-                     "--signature-port) or 'request' (only the return address each routed request "
-                     f"carries), got {value!r}")
+        transports.parse(value)
+    except ValueError as e:
+        raise ValueError(f"{e} (the router's http://ROUTER:PORT/eldr/signature or tcp://ROUTER:PORT, its "
+                         "--signature-port), or 'request' (only the return address each routed request "
+                         "carries)") from None
+    return value
 
 
 def _port(value: str) -> int:

@@ -24,23 +24,22 @@ HTTP body and TCP line carries its HMAC. A request's destination outside
 connected to: its message goes to the default address instead (or is dropped),
 counted in ``refused_destinations`` and logged once per destination.
 
-The message and its framing are :mod:`eldr_sglang.core.wire`'s. Imports neither
-SGLang nor torch.
+The message and its framing are :mod:`eldr_sglang.core.wire`'s; how it travels is the
+destination scheme's transport (:mod:`eldr_sglang.transports`: its sender, and the one
+reconnect rule). Imports neither SGLang nor torch.
 """
 
 from __future__ import annotations
 
-import http.client
 import logging
 import math
 import queue
-import select
-import socket
 import threading
 import time
-import urllib.parse
 from collections import OrderedDict
+from dataclasses import replace
 
+from eldr_sglang import transports
 from eldr_sglang.core import wire
 from eldr_sglang.core.wire import RETURN_ADDRESS_KEY  # noqa: F401 (where a request's router wants it)
 from eldr_sglang.patches.publish_allow import DestinationAllowList
@@ -51,45 +50,32 @@ MAX_DESTINATIONS = 32  # kept-open connections besides the default one (least re
 MAX_REFUSED_LOGGED = 1024  # refused destinations remembered (each logged once)
 _BACKOFF = 20  # a send failing after t seconds skips its destination for _BACKOFF * t
 _LOG_EVERY = 60.0
-_RECONNECT = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
 
 
-def parse_destination(url: str) -> tuple[str, str, int, str]:
-    """``(scheme, host, port, path)`` of ``tcp://host:port`` or ``http(s)://host[:port]/path``;
-    ValueError naming the URL otherwise."""
+def parse_destination(url: str) -> transports.Destination:
+    """``url``'s :class:`~eldr_sglang.transports.Destination` (any registered transport:
+    ``tcp://host:port``, ``http(s)://host[:port]/path``, ...); ValueError naming the URL otherwise."""
     try:
-        parts = urllib.parse.urlsplit(url)
-        port = parts.port
-        ok = parts.scheme in ("http", "https", "tcp") and bool(parts.hostname) and (
-            parts.scheme != "tcp" or bool(port))
-    except (ValueError, TypeError, AttributeError):
-        ok = False
-    if not ok:
-        raise ValueError(f"publish URL must be http(s)://host:port/path or tcp://host:port, got {url!r}")
-    port = port or (443 if parts.scheme == "https" else 80)
-    return parts.scheme, parts.hostname, port, (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        return transports.parse(url)
+    except ValueError as e:
+        raise ValueError(f"publish URL: {e}") from None
 
 
 class _Endpoint:
-    """One destination and its kept-open connection (touched by the sender thread only)."""
+    """One destination and its sender, which keeps its connection open (touched by the
+    sender thread only)."""
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self.scheme, self.host, self.port, self.path = parse_destination(url)
-        self.given_host = self.host  # as the destination named it (self.host: as allowed)
-        self.conn: http.client.HTTPConnection | None = None
-        self.sock: socket.socket | None = None
-        self.poll = None  # select.poll() on sock (set with it): sees the router closing it
+        self.dest = parse_destination(url)
+        self.host = self.given_host = self.dest.host  # host: as allowed, given_host: as named
+        self.sender: transports.Sender | None = None  # made at the first send, to self.host
         self.retry_at = 0.0  # skipped (messages dropped) until then, after a slow failure
         self.last_log = 0.0
 
     def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
+        if self.sender is not None:
+            self.sender.close()
 
 
 class SignaturePublisher:
@@ -191,45 +177,16 @@ class SignaturePublisher:
                            self.url or "nowhere (dropped)")
         return self._default
 
-    # ------------------------------------------------------------ transports
-    def _send_http(self, ep: _Endpoint, batch: list[dict]) -> None:
-        if ep.conn is None:
-            cls = http.client.HTTPSConnection if ep.scheme == "https" else http.client.HTTPConnection
-            ep.conn = cls(ep.host, ep.port, timeout=self.timeout)
-            self.connections += 1
-        body, headers = wire.http_body(batch, self.key)
-        ep.conn.request("POST", ep.path, body=body, headers=headers)
-        resp = ep.conn.getresponse()
-        resp.read()
-        if resp.status >= 400:
-            raise RuntimeError(f"router answered HTTP {resp.status}")
-
-    def _send_tcp(self, ep: _Endpoint, batch: list[dict]) -> None:
-        # the router never writes: a readable socket means it closed or reset the connection
-        # (poll, not select: no limit on the descriptor number in a busy server process)
-        if ep.sock is not None and ep.poll.poll(0):
-            ep.close()
-        if ep.sock is None:
-            sock = socket.create_connection((ep.host, ep.port), timeout=self.timeout)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            ep.poll = select.poll()
-            ep.poll.register(sock, select.POLLIN)
-            ep.sock = sock
-            self.connections += 1
-        ep.sock.sendall(wire.stream_lines(batch, self.key))
-
     def _post(self, ep: _Endpoint, batch: list[dict]) -> None:
         t0 = time.monotonic()
         if t0 < ep.retry_at:
             self.dropped += len(batch)
             return
-        send = self._send_tcp if ep.scheme == "tcp" else self._send_http
+        if ep.sender is None:
+            ep.sender = transports.sender_for(replace(ep.dest, host=ep.host), self.timeout, self.key)
+        connects = ep.sender.connects
         try:
-            try:
-                send(ep, batch)
-            except _RECONNECT:
-                ep.close()  # the router closed the idle kept-open connection: one retry
-                send(ep, batch)
+            transports.deliver(ep.sender, batch)  # a connection the router closed: one retry
             self.sent += len(batch)
         except Exception as exc:
             ep.close()
@@ -241,6 +198,8 @@ class SignaturePublisher:
                 ep.last_log = now
                 logger.warning("eldr-sglang: could not publish %d signature(s) to %s: %s",
                                len(batch), ep.url, exc)
+        finally:
+            self.connections += ep.sender.connects - connects
 
 
 def publisher_for(config) -> SignaturePublisher:
@@ -249,7 +208,7 @@ def publisher_for(config) -> SignaturePublisher:
     from eldr_sglang.patches.flags import REQUEST_ONLY
 
     default = None if config.publish == REQUEST_ONLY else config.publish
-    always = [parse_destination(default)[1]] if default else []
+    always = [parse_destination(default).host] if default else []
     if config.publish_allow is not None:
         allow = DestinationAllowList(config.publish_allow, always)
     elif default is None:

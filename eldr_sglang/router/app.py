@@ -173,8 +173,8 @@ class Router(RouterShell):
         and the board sweep."""
         c = self.config
         if c.signature_port is not None:
-            port = await self.intake.start(host, c.signature_port)
-            self.runtime.return_address = f"tcp://{c.signature_host_for(host)}:{port}"
+            await self.intake.start(host, c.signature_port)
+            self.runtime.return_address = self.intake.address(c.signature_host_for(host))
         self.runtime.spawn(self._sweep_board())
 
     async def _sweep_board(self) -> None:

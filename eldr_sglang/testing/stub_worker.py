@@ -18,7 +18,7 @@ SGLang's abort answer ``{"detail": ...}``, "text" plain text), ``crash_on`` (the
 that connection without an answer, "stop" stops the whole server, "exit" ends the
 process -- the CLI default), ``hang`` (never answer until aborted),
 ``send_signature=False`` / ``--no-signature`` (prefill never posts a signature),
-``signature_url`` (``http://.../eldr/signature`` or ``tcp://host:port``),
+``signature_url`` (``http://.../eldr/signature``, ``tcp://host:port`` or any registered transport's URL),
 ``signature_delay`` (slow publish), ``signature_key`` (signs messages as the engine's
 ``--eldr-signature-key-file`` does), ``signature_on_failure=False`` (a failing prefill
 fails before publishing; by default it publishes first, as a prefill whose KV
@@ -58,6 +58,7 @@ import numpy as np
 import orjson
 from aiohttp import web
 
+from eldr_sglang import transports
 from eldr_sglang.cliparse import OneLineParser
 from eldr_sglang.core import wire
 from eldr_sglang.router.cli import run_loop
@@ -230,6 +231,7 @@ class StubWorker:
         self._outbox: dict[str, list[dict]] = {}  # per destination: messages not sent yet
         self._senders: dict[str, asyncio.Task] = {}
         self._writers: dict[str, asyncio.StreamWriter] = {}
+        self._transport_senders: dict[str, Any] = {}  # other transports' senders, per destination
         self.url = ""
 
     # ------------------------------------------------------------------ app
@@ -282,6 +284,8 @@ class StubWorker:
         runner, self._runner = self._runner, None
         for w in self._writers.values():
             w.close()
+        for sender in self._transport_senders.values():
+            sender.close()
         self._thawed.set()
         await runner.cleanup()
         if self._session:
@@ -355,26 +359,48 @@ class StubWorker:
 
     async def _send_outbox(self, dest: str) -> None:
         """Like the engine's publisher: one send carries every message queued meanwhile,
-        as one HTTP POST (a JSON list) or JSON lines on a kept-open TCP connection."""
+        as one HTTP POST (a JSON list) or JSON lines on a kept-open TCP connection, both
+        on this loop; any other registered transport (:mod:`eldr_sglang.transports`) with
+        its sender, on a thread. An address no transport takes drops its messages."""
+        try:
+            send = self._native.get(transports.scheme_of(dest), StubWorker._send_with_transport)
+        except ValueError:
+            self._outbox.pop(dest, None)
+            return
         while self._outbox.get(dest):
             batch, self._outbox[dest] = self._outbox[dest], []
             try:
-                if dest.startswith("tcp://"):
-                    w = self._writers.get(dest)
-                    if w is None or w.is_closing():
-                        u = urllib.parse.urlsplit(dest)
-                        _, w = await asyncio.open_connection(u.hostname, u.port)
-                        self._writers[dest] = w
-                    w.write(wire.stream_lines(batch, self.signature_key))
-                    await w.drain()
-                else:
-                    body, headers = wire.http_body(batch if len(batch) > 1 else batch[0], self.signature_key)
-                    async with self._session.post(dest, data=body, headers=headers) as r:
-                        await r.read()
+                await send(self, dest, batch)
             except (aiohttp.ClientError, OSError):
                 w = self._writers.pop(dest, None)
                 if w is not None:
                     w.close()
+
+    async def _send_stream(self, dest: str, batch: list[dict]) -> None:
+        w = self._writers.get(dest)
+        if w is None or w.is_closing():
+            u = urllib.parse.urlsplit(dest)
+            _, w = await asyncio.open_connection(u.hostname, u.port)
+            self._writers[dest] = w
+        w.write(wire.stream_lines(batch, self.signature_key))
+        await w.drain()
+
+    async def _send_post(self, dest: str, batch: list[dict]) -> None:
+        body, headers = wire.http_body(batch if len(batch) > 1 else batch[0], self.signature_key)
+        async with self._session.post(dest, data=body, headers=headers) as r:
+            await r.read()
+
+    async def _send_with_transport(self, dest: str, batch: list[dict]) -> None:
+        sender = self._transport_senders.get(dest)
+        if sender is None:
+            sender = self._transport_senders[dest] = transports.sender_for(dest, 5.0, self.signature_key)
+        try:
+            await asyncio.to_thread(transports.deliver, sender, batch)
+        except Exception:
+            sender.close()  # dropped, as the engine's publisher drops them
+
+    # the built-in transports on this loop (the engine's own senders block a thread)
+    _native = {"tcp": _send_stream, "http": _send_post, "https": _send_post}
 
     def _failure(self, rids: list[str]) -> web.Response:
         self.failed.extend(rids)

@@ -51,6 +51,7 @@ from typing import Any, Callable, Optional
 import orjson
 from aiohttp import web
 
+from eldr_sglang import transports
 from eldr_sglang.router.http.bodies import BodyError, BodyParser, read_body
 from eldr_sglang.router.http.clients import bearer_matches
 from eldr_sglang.router.metrics import RouterMetrics
@@ -117,7 +118,7 @@ class SignatureIntake:
         self.observer = observer  # sees every well-formed message (online calibration)
         self.log = RateLimitedLog()
         self.tasks: set[asyncio.Task] = set()  # the streams' line handlers
-        self.server: Optional[asyncio.AbstractServer] = None
+        self.listener: Optional[transports.Listener] = None  # the --signature-port listener
         self.port: Optional[int] = None
 
     @property
@@ -255,14 +256,20 @@ class SignatureIntake:
             return _json({"error": errors[0], **out}, 400)
         return _json(out)
 
-    # ------------------------------------------------------------ TCP stream
-    async def start(self, host: str, port: int) -> int:
-        loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: SignatureStream(self), host, port)
-        self.port = self.server.sockets[0].getsockname()[1]
-        logger.info("signature stream on %s:%d (at most %d connections)", host, self.port,
-                    self.max_streams)
+    # ------------------------------------------------------------ --signature-port listener
+    async def start(self, host: str, port: int, scheme: str = "tcp") -> int:
+        """Listen on ``host:port`` with ``scheme``'s listener (:mod:`eldr_sglang.transports`;
+        the ``tcp`` one serves :class:`SignatureStream` connections); its port."""
+        self.listener = transports.listener_for(scheme, self)
+        self.port = await self.listener.start(host, port)
+        logger.info("signature %s listener on %s:%d (at most %d stream connections)", scheme, host,
+                    self.port, self.max_streams)
         return self.port
+
+    def address(self, host: str) -> Optional[str]:
+        """The URL engines send signatures to (reaching this router as ``host``); None
+        before :meth:`start`."""
+        return self.listener.address(host) if self.listener is not None else None
 
     async def line(self, line: bytes, stream: Optional[SignatureStream] = None) -> None:
         """One complete stream line: MAC, parse (off the loop when big), deliver. A line
@@ -283,13 +290,13 @@ class SignatureIntake:
             stream.prove()
 
     async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
+        if self.listener is not None:
+            self.listener.close()
             for s in list(self.streams):
                 s.abort()
             for t in list(self.tasks):
                 t.cancel()
-            await self.server.wait_closed()
+            await self.listener.wait_closed()
 
 
 def _nofile() -> int:
