@@ -17,7 +17,9 @@ the load poll, ``--engine-metrics``). ``--oracle`` adds the earlier, optimistic 
 ``--reckon`` adds "reckon" replicas: "engine" replicas that count their own net change
 since the poll ``1 + s (R - 1)`` times (``s = --reckon-share``, default 0.5): the router's
 view with ``--routers R`` (``reckon_factor`` and ``reckoned_load`` of
-``eldr_sglang/router/pool/workers.py``, the router's own functions).
+``eldr_sglang/router/pool/workers.py``, the router's own functions). ``--auto`` adds "auto"
+replicas: "reckon" replicas that estimate R at each poll as the router's ``--routers 0``
+(``estimate_routers``: polled total over own in flight, clamped and smoothed).
 
 Reported per workload and rate, over seeds (mean, and the standard error of the paired
 differences): median and P99 TPOT gain over JSQ (one router, the better balancer at
@@ -38,7 +40,7 @@ from benchmark.bench_default_policy import candidate_policy
 from benchmark.common import QUICK_OUT, command_line, markdown_table, write_record
 from benchmark.routing_cache import routing_for
 from eldr_sglang.core.policies import PolicyContext, build_policy
-from eldr_sglang.router.pool.workers import RECKON_SHARE, reckon_factor, reckoned_load
+from eldr_sglang.router.pool.workers import RECKON_SHARE, estimate_routers, reckon_factor, reckoned_load
 from eldr_sglang.sim import experiments
 from eldr_sglang.sim.calibration import prefill_activations
 from eldr_sglang.sim.simulator import SimConfig, simulate
@@ -67,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reckon-share", type=float, default=RECKON_SHARE,
                     help="reckon: s, the share of the other replicas' traffic assumed to match this one's "
                          "(the router's: %(default)s)")
+    ap.add_argument("--auto", action="store_true",
+                    help="also run reckon replicas that estimate R from their polls (the router's --routers 0)")
     ap.add_argument("--reckon-as", type=int, default=None,
                     help="reckon: the R replicas assume (the router's --routers; default: the true count), "
                          "to measure a wrong --routers")
@@ -93,8 +97,9 @@ class PolledReplica:
     policy on its polls only, and only when ``engine`` (else the policy prices its own
     requests alone)."""
 
-    def __init__(self, policy, k: int, phase: int, engine: bool, reckon: float = 1):
-        self.policy, self.engine, self.phase, self.reckon = policy, engine, phase, reckon
+    def __init__(self, policy, k: int, phase: int, engine: bool, reckon: float = 1, auto: bool = False):
+        self.policy, self.engine, self.phase, self.reckon, self.auto = policy, engine, phase, reckon, auto
+        self.routers: float | None = None  # auto: the estimate of R
         self.own = [0] * k
         self.reported: list[int] | None = None
         self.own_at_poll = [0] * k
@@ -131,6 +136,9 @@ class PolledReplica:
         if index == 0:  # the load poll
             self.reported = list(self.loads) if self.loads is not None else [0] * len(self.own)
             self.own_at_poll = list(self.own)
+            if self.auto:  # as the router's pool after each poll (--routers 0)
+                self.routers = estimate_routers(sum(self.reported), sum(self.own), self.routers)
+                self.reckon = reckon_factor(self.routers or 1)
         if self.engine:
             observe = getattr(self.policy, "observe_engine", None)
             if observe is not None:
@@ -151,9 +159,9 @@ def run(data, routing, acts, cfg: SimConfig, variant: str, replicas: int, poll: 
             res = simulate(data.sim, pols, cfg, routing.eldr_signatures, activations=acts, engine_report_s=poll)
         else:
             phases = np.random.default_rng([cfg.seed, 0xB011]).integers(0, TICKS, replicas)
-            wrapped = [PolledReplica(p, k, int(ph), variant in ("engine", "reckon"),
+            wrapped = [PolledReplica(p, k, int(ph), variant in ("engine", "reckon", "auto"),
                                      reckon_factor(reckon_as or replicas, reckon_share)
-                                     if variant == "reckon" else 1)
+                                     if variant == "reckon" else 1, auto=variant == "auto")
                        for p, ph in zip(pols, phases)]
             res = simulate(data.sim, wrapped, cfg, routing.eldr_signatures, activations=acts,
                            engine_report_s=poll / TICKS)
@@ -178,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sweep = experiments.FULL
     base = SimConfig(num_prefill=max(8, g["k"] * 3 // 2), num_decode=g["k"], warmup_s=g["warmup_s"],
                      measure_s=g["measure_s"], cost=a.cost)
-    variants = ("own", "engine") + (("oracle",) if a.oracle else ()) + (("reckon",) if a.reckon else ())
+    variants = ("own", "engine") + (("oracle",) if a.oracle else ()) + (("reckon",) if a.reckon else ()) + (("auto",) if a.auto else ())
     rows = []
     for wl in a.workloads.split(","):
         data = experiments.load_workload(wl, a.traces_root, a.work_dir, sweep, 600.0, 300.0)
@@ -230,7 +238,8 @@ def summarise(rows: list[dict], replicas: Sequence[int], variants: Sequence[str]
             f"at every decision" + ("; 'reckon': engine replicas counting their own change since the poll "
                                     f"1 + s (R - 1) times, the router's view with --routers R"
                                     + (f", here all with R = {reckon_as}" if reckon_as else "") if "reckon" in variants
-                                    else ""), "",
+                                    else "") + ("; 'auto': reckon replicas estimating R from each poll "
+                                                "(--routers 0)" if "auto" in variants else ""), "",
             *markdown_table(["workload", "req/s", "TPOT", "JSQ ms", *cols], out).splitlines()]
 
 

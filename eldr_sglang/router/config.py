@@ -144,7 +144,8 @@ class RouterConfig:
         "router replicas and --workers (0: own in-flight counts only)", 0.5)
     routers: int = _opt(
         "router replicas sharing the decode servers (R = this x --workers): each counts its own "
-        "requests since the last load poll 1 + 0.5 (R - 1) times, for the others' unseen ones", 1)
+        "requests since the last load poll 1 + 0.5 (R - 1) times, for the others' unseen ones "
+        "(0: R estimated at each poll, all requests on the servers / its own)", 1)
     # timeouts to workers
     connect_timeout: float = _opt("connect timeout to a worker", 5.0)
     first_byte_timeout: float = _opt(
@@ -226,10 +227,10 @@ class RouterConfig:
                     "signature_max_kb", "signature_max_age", "signature_max_streams",
                     "signature_stream_idle", "signature_line_timeout", "health_timeout", "health_failures", "breaker_threshold",
                     "connect_timeout", "first_byte_timeout", "idle_timeout", "request_timeout",
-                    "max_batch", "max_body_mb", "workers", "routers", "retry_after")
+                    "max_batch", "max_body_mb", "workers", "retry_after")
         non_negative = ("signature_timeout_min", "signature_timeout_factor", "health_interval",
                         "health_cooldown", "load_interval", "max_inflight", "decisions_kept",
-                        "drain_timeout", "calibration_watch", "binding_margin")
+                        "drain_timeout", "calibration_watch", "binding_margin", "routers")
         if not self.ab_slice > 0:
             raise ValueError(f"ab_slice: expected a number > 0, got {self.ab_slice!r}")
         if self.ab_policies is not None:

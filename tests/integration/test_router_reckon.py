@@ -15,7 +15,8 @@ import pytest
 from eldr_sglang.core.policies import least_loaded
 from eldr_sglang.router import Router, start_router
 from eldr_sglang.router.config import RouterConfig
-from eldr_sglang.router.pool.workers import reckon_factor, reckoned_load
+from eldr_sglang.router.pool.workers import (ROUTERS_MAX, ROUTERS_WEIGHT, estimate_routers, reckon_factor,
+                                             reckoned_load)
 from eldr_sglang.testing.stub_worker import StubWorker
 from tests.integration.helpers import BOOT_PORT, post, until
 
@@ -40,7 +41,10 @@ def test_one_router_is_todays_view_exactly():
     assert reckoned_load(3, 0, 1, 2.5) == 5.0 and reckoned_load(3, 9, 8, 2.5) == 3  # never below own
     assert reckon_factor(2) == 1.5 and reckon_factor(4) == 2.5
     with pytest.raises(ValueError, match="routers"):
-        RouterConfig(routers=0)
+        RouterConfig(routers=-1)
+    assert estimate_routers(12, 4, None) == 3.0 and estimate_routers(12, 3, 2.0) == 2.0  # too few own
+    assert estimate_routers(2, 4, None) == 1.0 and estimate_routers(10_000, 4, None) == ROUTERS_MAX
+    assert estimate_routers(16, 4, 2.0) == pytest.approx(2.0 + ROUTERS_WEIGHT * 2)
 
 
 @pytest.mark.parametrize("routers", [1, 2])
@@ -93,5 +97,44 @@ async def test_replicas_count_each_others_burst_between_polls(routers):
         await http.close()
         await ra.cleanup()
         await rb.cleanup()
+        for w in [prefill] + decodes:
+            await w.stop()
+
+
+async def test_routers_0_estimates_the_routers_from_each_poll():
+    """--routers 0: 4 own requests in flight and 8 from others on the servers at a poll
+    give R = 12 / 4 = 3 (own change counted 2 times); with 4 more from others, the next
+    poll's 16 / 4 = 4 moves the estimate by ROUTERS_WEIGHT of the difference."""
+    decodes = [StubWorker("decode", name=f"d{i}", hang=True) for i in range(2)]
+    prefill = StubWorker("prefill", name="p0")
+    purl = await prefill.start()
+    durls = [await d.start() for d in decodes]
+    r = Router([(purl, BOOT_PORT)], durls, "jsq", health_interval=0, load_interval=0, routers=0)
+    runner, port = await start_router(r)
+    http = aiohttp.ClientSession()
+    held = []
+
+    async def others(n):
+        held.extend(asyncio.ensure_future(post(http, f"{durls[i % 2]}/generate", {"text": f"o{i}"}))
+                    for i in range(n))
+    try:
+        await r.pool.poll_loads()
+        assert r.pool.routers_seen is None and [d.reckon for d in r.pool.decodes] == [1, 1]
+        held += [asyncio.ensure_future(post(http, f"http://127.0.0.1:{port}/generate", {"text": f"x{i}"}))
+                 for i in range(4)]
+        await others(8)
+        await until(lambda: sum(d.active for d in decodes) == 12)
+        await r.pool.poll_loads()
+        assert r.pool.routers_seen == 3.0 and [d.reckon for d in r.pool.decodes] == [reckon_factor(3)] * 2
+        await others(4)
+        await until(lambda: sum(d.active for d in decodes) == 16)
+        await r.pool.poll_loads()
+        assert r.pool.routers_seen == pytest.approx(3.0 + ROUTERS_WEIGHT)
+        assert r.pool.decodes[0].reckon == pytest.approx(reckon_factor(3.0 + ROUTERS_WEIGHT))
+    finally:
+        for h in held:
+            h.cancel()
+        await http.close()
+        await runner.cleanup()
         for w in [prefill] + decodes:
             await w.stop()

@@ -42,6 +42,23 @@ def reckon_factor(routers: int, share: float = RECKON_SHARE) -> float:
     return 1 if routers <= 1 else 1 + share * (routers - 1)
 
 
+ROUTERS_MAX = 64.0  # the largest router count an estimate gives
+ROUTERS_WEIGHT = 0.2  # the weight of each poll's estimate in the smoothed one
+ROUTERS_LEAST_OWN = 4  # own requests in flight at a poll below which it tells nothing
+
+
+def estimate_routers(reported: float, own: float, previous: float | None) -> float | None:
+    """``--routers 0``: how many routers share the decode servers, from one load poll: every
+    router's requests on them (``reported``, summed over servers) over this router's own then
+    (``own``), within [1, ROUTERS_MAX], smoothed with ``previous`` (weight ROUTERS_WEIGHT);
+    ``previous`` when fewer than ROUTERS_LEAST_OWN of its own were in flight. Used by the
+    router's pool and the replica simulator (benchmark/bench_replicas.py)."""
+    if own < ROUTERS_LEAST_OWN:
+        return previous
+    r = min(max(reported / own, 1.0), ROUTERS_MAX)
+    return r if previous is None else previous + ROUTERS_WEIGHT * (r - previous)
+
+
 def reckoned_load(own: int, reported: int, own_at_report: int, factor: float = 1) -> float:
     """A decode server's load as one router sees it: the last polled count, plus its own
     in-flight change since that poll ``factor`` times (``reckon_factor``: the other
@@ -128,6 +145,7 @@ class WorkerPool:
             raise ValueError(self.missing)
         self.config, self.metrics = config, metrics
         self.session: Optional[aiohttp.ClientSession] = None  # set by the router at start
+        self.routers_seen: Optional[float] = None  # --routers 0: the estimate (estimate_routers)
         self.prefills = [self._new(u, "prefill", p) for u, p in prefill]
         self.decodes: list[Worker] = []
         for u in decode:
@@ -139,9 +157,15 @@ class WorkerPool:
         c = self.config
         w = Worker(url, role, CircuitBreaker(c.breaker_threshold, c.health_cooldown),
                    self.metrics.worker(role, url), bootstrap_port)
-        w.reckon = reckon_factor(c.routers * c.workers)
+        w.reckon = self.reckon_factor()
         w.update_gauges()
         return w
+
+    def reckon_factor(self) -> float:
+        """``reckon_factor`` of R = ``--routers`` x ``--workers``; with ``--routers 0``, of the
+        estimate from the load polls (which already counts the ``--workers`` processes)."""
+        c = self.config
+        return reckon_factor(c.routers * c.workers if c.routers else self.routers_seen or 1)
 
     def all(self) -> list[Worker]:
         return list(chain(self.prefills, self.decodes))
@@ -285,6 +309,13 @@ class WorkerPool:
     async def poll_loads(self) -> None:
         """One round of ``GET /v1/loads`` on every decode server that serves it."""
         await asyncio.gather(*(self._poll(w) for w in list(self.decodes) if w.loads_supported))
+        if self.config.routers == 0:
+            polled = [w for w in self.decodes if w.reported is not None]
+            self.routers_seen = estimate_routers(sum(w.reported for w in polled),
+                                                 sum(w.inflight_at_report for w in polled), self.routers_seen)
+            factor = self.reckon_factor()
+            for w in self.decodes:
+                w.reckon = factor
 
     async def _poll(self, w: Worker) -> None:
         at = w.inflight
