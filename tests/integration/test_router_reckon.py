@@ -126,6 +126,7 @@ async def test_routers_0_estimates_the_routers_from_each_poll():
         await until(lambda: sum(d.active for d in decodes) == 12)
         await r.pool.poll_loads()
         assert r.pool.routers_seen == 3.0 and [d.reckon for d in r.pool.decodes] == [reckon_factor(3)] * 2
+        assert r.pool.decodes[0].describe()["reckon"] == 2.0  # what /eldr/workers shows
         await others(4)
         await until(lambda: sum(d.active for d in decodes) == 16)
         await r.pool.poll_loads()

@@ -128,7 +128,8 @@ class Worker:
                 "failures": self.failures, "healthy": self.available(), "alive": self.alive,
                 "breaker": self.breaker.state,
                 "consecutive_failures": self.breaker.failures,
-                **({"bootstrap_port": self.bootstrap_port} if self.role == "prefill" else {})}
+                **({"bootstrap_port": self.bootstrap_port} if self.role == "prefill" else
+                   {"reckon": self.reckon})}
 
 
 class WorkerPool:
