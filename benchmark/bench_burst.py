@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from pathlib import Path
 import aiohttp
 
 from benchmark.common import free_port, write_record
+from benchmark.router_process import stop, wait_up
 from eldr_sglang.testing.local_cluster import sglang_router_argv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,16 +52,6 @@ def listen_overflows() -> int:
             row = dict(zip(names.split()[1:], values.split()[1:]))
             return int(row.get("ListenOverflows", 0))
     return 0
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def start_stub(role: str, log, backlog: int) -> tuple[subprocess.Popen, str]:
@@ -85,17 +75,9 @@ def router_command(name: str, port: int, prefill: str, decodes: list[str],
 
 
 async def wait_stub(url: str, timeout: float = 60.0) -> None:
-    end = time.monotonic() + timeout
     async with aiohttp.ClientSession() as http:
-        while time.monotonic() < end:
-            try:
-                async with http.get(f"{url}/health") as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
-    raise RuntimeError(f"stub {url} not up after {timeout} s")
+        if not await wait_up(http, url, path="/health", timeout=timeout, step=0.1):
+            raise RuntimeError(f"stub {url} not up after {timeout} s")
 
 
 async def wait_serving(url: str, proc: subprocess.Popen, timeout: float) -> None:

@@ -37,8 +37,6 @@ import json
 import multiprocessing
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,12 +47,12 @@ import numpy as np
 import orjson
 
 from benchmark.common import QUICK_OUT, RESULTS, free_port, parse_with_quick
+from benchmark.router_process import RouterProcess
 from benchmark.process_cpu import cpu_seconds
 from eldr_sglang.core import wire
 from eldr_sglang.testing.stub_worker import StubWorker, topic_counts
 from eldr_sglang.testing.toy_artifact import save_toy_artifact
 
-ROOT = Path(__file__).resolve().parents[1]
 KEY = b"attack-bench-key-0123456789abcdef"
 N_DECODE = 3
 SKEW_S = 61.0
@@ -178,30 +176,12 @@ class Bench:
                 *[x for u in durls for x in ("--decode", u)], "--policy", "eldr", "--calibration", artifact,
                 "--host", "127.0.0.1", "--port", str(self.port), "--signature-port", str(self.sig_port),
                 "--signature-key-file", str(self.tmp / "key"), "--log-level", "error"]
-        self.log = open(self.tmp / "router.log", "w")
-        self.router = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        end = time.monotonic() + 60
-        while time.monotonic() < end and self.router.poll() is None:
-            try:
-                async with self.http.get(f"{self.url}/ready") as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.2)
-        raise SystemExit(f"router did not become ready; see {self.tmp / 'router.log'}")
+        self.process = RouterProcess(argv, self.port, self.tmp)
+        self.router, self.url, self.http = self.process.proc, self.process.url, self.process.http
+        await self.process.ready()
 
     async def close(self) -> None:
-        await self.http.close()
-        if self.router.poll() is None:
-            self.router.send_signal(signal.SIGTERM)
-            try:
-                self.router.wait(15)
-            except subprocess.TimeoutExpired:
-                self.router.kill()
-        self.log.close()
+        await self.process.close()
         for w in [self.honest, self.skewed, *self.decodes]:
             await w.stop()
 

@@ -38,8 +38,6 @@ import asyncio
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,11 +48,11 @@ import aiohttp
 import orjson
 
 from benchmark.common import QUICK_OUT, RESULTS, free_port
+from benchmark.router_process import RouterProcess
 from eldr_sglang.core import wire
 from eldr_sglang.testing.stub_worker import StubWorker, topic_counts
 from eldr_sglang.testing.toy_artifact import save_toy_artifact
 
-ROOT = Path(__file__).resolve().parents[1]
 KEY = b"soak-key-0123456789abcdef"
 N_DECODE = 3
 SLACK_RSS_MB = 4.0  # allocator noise allowed on top of 5%
@@ -119,32 +117,12 @@ class Soak:
                 "--health-cooldown", "1", "--first-byte-timeout", "2", "--signature-timeout", "1",
                 "--signature-line-timeout", "2", "--signature-stream-idle", "5",
                 "--signature-max-age", str(MAX_AGE_S), "--log-level", "warning"]
-        self.log = open(self.tmp / "router.log", "w")
-        self.router = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        end = time.monotonic() + 60
-        while time.monotonic() < end:
-            try:
-                async with self.http.get(f"{self.url}/ready") as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            if self.router.poll() is not None:
-                break
-            await asyncio.sleep(0.2)
-        raise SystemExit(f"router did not become ready; see {self.tmp / 'router.log'}")
+        self.process = RouterProcess(argv, self.port, self.tmp)
+        self.router, self.url, self.http = self.process.proc, self.process.url, self.process.http
+        await self.process.ready()
 
     async def close(self) -> None:
-        await self.http.close()
-        if self.router.poll() is None:
-            self.router.send_signal(signal.SIGTERM)
-            try:
-                self.router.wait(15)
-            except subprocess.TimeoutExpired:
-                self.router.kill()
-        self.log.close()
+        await self.process.close()
         for w in [self.prefill, *self.decodes]:
             await w.stop()
 

@@ -65,6 +65,7 @@ from eldr_sglang.patches import capture
 from eldr_sglang.patches import state as engine
 from eldr_sglang.patches.flags import EngineConfig
 from eldr_sglang.radix_signature import request_counts
+from tools.gpu_capture_check import timed
 
 TOPK_CONFIG = SimpleNamespace(allow_routed_experts_capture=True)  # a target model's topk_config
 
@@ -635,21 +636,8 @@ def hooks_check(shape: Shape, scn: Scenario, device, seed: int) -> dict:
 
 
 def timed_replays(fn, device, repeat: int) -> float:
-    """Mean milliseconds per call (CUDA events on a GPU)."""
-    fn()
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(repeat):
-            fn()
-        return 1e3 * (time.perf_counter() - t0) / repeat
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeat):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeat
+    """Mean milliseconds per call (CUDA events on a GPU; :func:`tools.gpu_capture_check.timed`)."""
+    return 1e3 * timed(fn, device.type, repeat)
 
 
 def hook_cost(shape: Shape, device, seed: int, repeat: int) -> dict:

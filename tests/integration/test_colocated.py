@@ -53,11 +53,12 @@ def make_artifact(with_predictor: bool = True) -> CalibrationArtifact:
 
 
 @contextlib.asynccontextmanager
-async def colocated(n=TOPICS, artifact=None, tokenizer=None, policy="eldr", worker_kw=None):
+async def colocated(n=TOPICS, artifact=None, tokenizer=None, policy="eldr", worker_kw=None, **settings):
     workers = [StubWorker("decode", name=f"w{i}", **(worker_kw or {})) for i in range(n)]
     urls = [await w.start() for w in workers]
     router = ColocatedRouter(urls, artifact=artifact if artifact is not None else make_artifact(),
-                             tokenizer=tokenizer, policy=policy, health_interval=0, load_interval=0)
+                             tokenizer=tokenizer, policy=policy,
+                             **{"health_interval": 0, "load_interval": 0, **settings})
     runner, port = await start_router(router)
     http = aiohttp.ClientSession()
     try:

@@ -23,28 +23,16 @@ from eldr_sglang.router.http.serve import start_router
 from eldr_sglang.testing.stub_worker import StubWorker
 from tests.integration.helpers import cluster, post, until
 from tests.integration.test_colocated import TOPICS, make_artifact, topic_ids
+from tests.integration.test_colocated import colocated as colocated_router
 from tests.integration.test_router_round3 import LoopWatch, sink_worker
 
 TOKENIZER = "models/eldr-tiny-moe"
 MB = 1 << 20
 
 
-@contextlib.asynccontextmanager
-async def colocated(**settings):
-    workers = [StubWorker("decode", name=f"w{i}") for i in range(TOPICS)]
-    urls = [await w.start() for w in workers]
-    settings = {"health_interval": 0, "load_interval": 0, "policy": "eldr", **settings}
-    router = ColocatedRouter(urls, artifact=make_artifact(), tokenizer=load_tokenizer(TOKENIZER),
-                             **settings)
-    runner, port = await start_router(router)
-    http = aiohttp.ClientSession()
-    try:
-        yield router, f"http://127.0.0.1:{port}", workers, http
-    finally:
-        await http.close()
-        await runner.cleanup()
-        for w in workers:
-            await w.stop()
+def colocated(**settings):
+    """The co-located router of test_colocated, with the model's tokenizer."""
+    return colocated_router(tokenizer=load_tokenizer(TOKENIZER), **settings)
 
 
 # ---------------------------------------------------------------- odd bodies
