@@ -140,12 +140,11 @@ class RouterConfig:
     breaker_threshold: int = _opt(
         "consecutive failed requests that open a worker's breaker (a refused connection opens it at once)", 5)
     load_interval: float = _opt(
-        "seconds between polls of the decode servers' load (GET /v1/loads), shared by "
-        "router replicas and --workers (0: own in-flight counts only)", 0.5)
+        "seconds between polls of the decode servers' load (GET /v1/loads; 0: own in-flight "
+        "counts only)", 0.5)
     routers: int = _opt(
-        "router replicas sharing the decode servers (R = this x --workers): each counts its own "
-        "requests since the last load poll 1 + 0.5 (R - 1) times, for the others' unseen ones "
-        "(0: R estimated at each poll, all requests on the servers / its own)", 1)
+        "routers sharing the decode servers, R = this x --workers (0: estimated): own requests "
+        "since a load poll count 1 + (R - 1)/2 times", 1)
     # timeouts to workers
     connect_timeout: float = _opt("connect timeout to a worker", 5.0)
     first_byte_timeout: float = _opt(
