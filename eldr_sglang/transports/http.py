@@ -10,7 +10,7 @@ import urllib.parse
 from typing import Any, Optional
 
 from eldr_sglang.core import wire
-from eldr_sglang.transports import Destination, register_transport
+from eldr_sglang.transports.registry import Destination, register_transport
 
 PATH = "/eldr/signature"
 

@@ -13,7 +13,7 @@ import socket
 from typing import Any, Optional
 
 from eldr_sglang.core import wire
-from eldr_sglang.transports import Destination, register_transport
+from eldr_sglang.transports.registry import Destination, register_transport
 
 
 class TcpSender:
