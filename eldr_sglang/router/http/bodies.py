@@ -130,20 +130,17 @@ def validate_openai(endpoint: str, body: dict, limit: int) -> None:
 MODEL_CHARS = 1024
 
 
-def check_scalars(body: dict, endpoint: str) -> None:
-    """The scalars a router reads: ``stream`` true/false, ``model`` a string, ``n`` /
-    ``best_of`` plain integers (:func:`~eldr_sglang.router.http.sampling.check_counts`);
-    BadRequest naming the field, never a list or megabytes read as one."""
+def check_scalars(body: dict) -> None:
+    """The scalars a router reads besides the counts: ``stream`` true/false, ``model`` a
+    string; BadRequest naming the field, never a list or megabytes read as one. ``n`` /
+    ``best_of`` are read, as plain integers only, by :func:`sampling.refusal
+    <eldr_sglang.router.http.sampling.refusal>`, which every caller applies next."""
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false")
     model = body.get("model")
     if model is not None and not (isinstance(model, str) and len(model) <= MODEL_CHARS):
         raise BadRequest(f"'model' must be a string of at most {MODEL_CHARS} characters")
-    try:
-        sampling.check_counts(body, endpoint)
-    except ValueError as e:
-        raise BadRequest(str(e)) from None
 
 
 def prompt_batch(body: dict) -> Optional[int]:
@@ -221,7 +218,7 @@ def prepare(raw: bytes, endpoint: str, max_batch: int, split: bool = False) -> t
         else:
             validate_openai(endpoint, body, max_batch)
             n = prompt_batch(body) if endpoint == "v1/completions" else None
-        check_scalars(body, endpoint)
+        check_scalars(body)
     except BadRequest as e:
         return "error", e.status, str(e)
     refused = sampling.refusal(body, endpoint, pd=True)  # n > 1 cannot pass through PD

@@ -102,7 +102,7 @@ def bounded_view(body: dict, endpoint: str, max_batch: int) -> dict:
     """The fields a pre-prefill router reads, checked and cut to the view's bounds
     (the same keys as the body, so :func:`~eldr_sglang.prompts.request_token_ids`
     reads it); BadRequest (400, 413 for a batch) when the request is not valid."""
-    check_scalars(body, endpoint)
+    check_scalars(body)
     refused = sampling.refusal(body, endpoint, pd=False)
     if refused:
         raise BadRequest(refused)

@@ -64,13 +64,6 @@ def samples(body: dict, endpoint: str) -> int:
     return max(ns, default=1)
 
 
-def check_counts(body: dict, endpoint: str) -> None:
-    """``n``, ``best_of`` (and ``beam_width``) plain integers; ValueError naming the field."""
-    samples(body, endpoint)
-    if endpoint == "v1/completions":
-        _count(body.get("best_of"), "best_of")
-
-
 def refusal(body: dict, endpoint: str, pd: bool) -> Optional[str]:
     """Why the request is refused (answered 400 with this message), or None.
 

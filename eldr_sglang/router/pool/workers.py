@@ -111,7 +111,7 @@ class Worker:
         return self.alive and self.breaker.allows()
 
     @property
-    def load(self) -> int:
+    def load(self) -> float:  # an int unless --routers reckons the others' traffic
         if self.reported is None:
             return self.inflight
         return reckoned_load(self.inflight, self.reported, self.inflight_at_report, self.reckon)
